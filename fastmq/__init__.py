@@ -1,0 +1,29 @@
+"""fastmq: a Cython shared-memory broadcast queue, drop-in for vLLM's
+``MessageQueue`` (``vllm.distributed.device_communicators.shm_broadcast``).
+
+    from fastmq import MessageQueue
+    writer = MessageQueue(n_reader=2, n_local_reader=2)
+    handle = writer.export_handle()            # pickle this to the readers
+    reader = MessageQueue.create_from_handle(handle, rank)   # in each reader
+    # writer.wait_until_ready() / reader.wait_until_ready()  (collective)
+    writer.enqueue({"step": 1});  reader.dequeue()
+"""
+from fastmq._ring import CorruptChunkError, SegmentMismatchError
+from fastmq.queue import (LONG_WAIT_TIME_LOG_MSG, BufferHandle, Handle,
+                          HandleMismatchError, MessageQueue)
+from fastmq.segments import SHM_PATH, ShmRingBuffer, check_shm_free_space
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MessageQueue",
+    "Handle",
+    "BufferHandle",
+    "ShmRingBuffer",
+    "check_shm_free_space",
+    "SHM_PATH",
+    "CorruptChunkError",
+    "SegmentMismatchError",
+    "HandleMismatchError",
+    "LONG_WAIT_TIME_LOG_MSG",
+]

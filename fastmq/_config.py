@@ -1,0 +1,89 @@
+"""Environment knobs, parsed in one place so a bad value names its variable."""
+from __future__ import annotations
+
+import os
+
+WAIT_MODES = {"spin": 0, "futex": 1, "zmq": 2}
+
+
+def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def env_float(name: str, default: float | None, minimum: float = 0.0) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not value >= minimum:
+        raise ValueError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean (use 1 or 0)")
+
+
+def default_wait_mode() -> str:
+    """``FASTMQ_WAIT``; futex where the kernel has it, else zmq."""
+    from fastmq._ring import have_futex
+
+    raw = os.environ.get("FASTMQ_WAIT", "").strip().lower()
+    if not raw:
+        return "futex" if have_futex() else "zmq"
+    if raw not in WAIT_MODES:
+        raise ValueError(f"FASTMQ_WAIT={raw!r} is not one of {sorted(WAIT_MODES)}")
+    if raw == "futex" and not have_futex():
+        raise ValueError("FASTMQ_WAIT=futex but this system has no futex support")
+    return raw
+
+
+def wait_mode_code(mode: str | None) -> int:
+    if mode is None:
+        mode = default_wait_mode()
+    if mode not in WAIT_MODES:
+        raise ValueError(f"wait_mode={mode!r} is not one of {sorted(WAIT_MODES)}")
+    from fastmq._ring import have_futex
+
+    if mode == "futex" and not have_futex():
+        raise ValueError("wait_mode='futex' but this system has no futex support")
+    return WAIT_MODES[mode]
+
+
+# How long a reader spins before parking.  Long enough to cover the gap
+# between two scheduler steps in a busy pipeline, short enough that an idle
+# reader costs well under 1% of a core (one spin per message).
+DEFAULT_SPIN_US = 2000
+
+
+def spin_us(value: float | None) -> float:
+    if value is None:
+        return env_float("FASTMQ_SPIN_US", DEFAULT_SPIN_US)
+    if not value >= 0:
+        raise ValueError(f"spin_us must be >= 0, got {value!r}")
+    return value
+
+
+def warning_interval() -> float:
+    """vLLM's ``VLLM_RINGBUFFER_WARNING_INTERVAL`` (seconds, default 60)."""
+    return env_float("VLLM_RINGBUFFER_WARNING_INTERVAL", 60.0)

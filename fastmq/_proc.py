@@ -1,0 +1,53 @@
+"""Process identity: a pid plus its start time, so a reused pid is not
+mistaken for the process that wrote it into a segment."""
+from __future__ import annotations
+
+import os
+
+
+def start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 if unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    # The command name (field 2) may contain spaces and parentheses: split
+    # after the last ')'.  starttime is field 22, i.e. index 19 after it.
+    try:
+        return int(data[data.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return 0
+
+
+def is_alive(pid: int, started: int = 0) -> bool:
+    """True if ``pid`` runs and (when ``started`` is known) is the same process."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    if started:
+        now = start_time(pid)
+        if now and now != started:
+            return False
+        # A zombie has exited even though its pid still answers.
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+            if data[data.rindex(b")") + 2 :].split()[0] in (b"Z", b"X"):
+                return False
+        except (OSError, ValueError):
+            pass
+    return True
+
+
+MY_PID = os.getpid()
+
+
+def me() -> tuple[int, int]:
+    pid = os.getpid()
+    return pid, start_time(pid)

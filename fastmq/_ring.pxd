@@ -1,0 +1,39 @@
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from fastmq._shm cimport Segment
+
+cdef class Ring:
+    cdef readonly Segment segment
+    cdef char *base
+    cdef readonly int n_reader
+    cdef readonly int max_chunks
+    cdef readonly Py_ssize_t max_chunk_bytes
+    cdef Py_ssize_t meta_stride
+    cdef Py_ssize_t meta_off
+    cdef Py_ssize_t data_off
+    cdef uint32_t *read_seq
+    cdef uint32_t *readers_parked
+    cdef uint32_t *write_seq
+    cdef uint32_t *writer_parked
+    cdef uint32_t cancelled
+    cdef readonly int current_idx
+    cdef readonly int reader_rank
+    cdef readonly int wait_mode
+    cdef readonly int64_t spin_ns
+    cdef public object hooks
+    cdef public double warn_interval
+    cdef object data_view
+    cdef object loads
+
+    cdef inline uint8_t *meta(self, int idx) nogil
+    cdef inline char *chunk(self, int idx) nogil
+    cdef inline bint readable(self, int idx) nogil
+    cdef inline bint writable(self, int idx) nogil
+    cdef int spin_until(self, int idx, bint writer, int64_t until_ns) nogil
+    cdef int park_futex(self, int idx, bint writer, int64_t timeout_ns) nogil
+    cdef int wait(self, int idx, bint writer, object timeout, bint warn) except -1
+    cdef int publish(self, int idx) except -1
+    cdef int release_chunk(self, int idx) except -1
+    cdef inline int _check_open(self) except -1
+    cdef int park_zmq(self, int idx, bint writer, int64_t timeout_ns) except -1
+    cdef int _slice(self, int64_t start, int64_t deadline, int64_t *next_warn,
+                    int64_t warn_ns, bint writer, int idx) except -1

@@ -1,0 +1,631 @@
+"""The shared-memory ring: layout, flags, waiting and framing.
+
+Segment layout (all offsets from the mapping's base)::
+
+    +---------------------------+ 0
+    | header (see H_* below)    |   magic, geometry, wait mode, pids,
+    |   futex words, one cache  |   each futex word / counter on its own
+    |   line each               |   64-byte line so that polling one does
+    |   reader slots (64 B each)|   not false-share with another
+    +---------------------------+ meta_off  (page aligned)
+    | meta[0] | meta[1] | ...   |   meta_stride bytes per chunk (64 B lines):
+    +---------------------------+   [written u8][read u8 x n_reader]
+    | chunk 0 | chunk 1 | ...   |   data_off (page aligned),
+    +---------------------------+   max_chunk_bytes each
+
+Chunk framing::
+
+    [u8 overflow][3 pad][u32 nbuf][u64 len x nbuf][buf0][buf1]...
+
+buffer 0 is the pickle stream, the others out-of-band buffers; each buffer
+starts 8-byte aligned.  ``overflow == 1`` means the payload travels on the
+ZMQ socket and the chunk only orders it.
+
+Flag protocol (single writer, n readers; same states as vLLM's ring)::
+
+    writer:  wait until written == 0 or every read flag == 1
+             written = 0 ; copy payload ; read flags = 0 (release)
+             written = 1 (release) ; full fence ; wake parked readers
+    reader:  wait until read flag == 0 (acquire) and then written == 1
+             (acquire) ; copy out ; read flag = 1 (release) ; full fence ;
+             wake a parked writer
+
+A reader loads its read flag before ``written``: a reset flag is a release
+store made after ``written = 0``, so observing it orders the following load
+of ``written`` after that reset (it sees 0, or the new 1 whose release makes
+the payload visible).  Loading ``written`` first could pair a stale
+``written == 1`` with a fresh reset flag and read a half-copied chunk.
+
+Parking (futex mode) is level-triggered: a waiter increments the parked
+counter, issues a full fence, snapshots the futex word, re-checks the flags
+and only then sleeps on the snapshot.  The waker publishes, fences, and
+bumps the word + wakes only if the counter is non-zero.  With both fences,
+either the waker sees the waiter counted or the waiter's re-check sees the
+publish, so no wakeup is lost; a busy pipeline (nobody parked) pays no
+syscall.  Parked waiters also wake every PARK_SLICE as a safety net.
+"""
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.exc cimport PyErr_CheckSignals
+from libc.stdint cimport INT64_MAX, uint8_t, uint32_t, uint64_t, int64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy, memset
+
+from fastmq._native.atomic cimport (
+    fmq_add_u32_seq, fmq_cpu_relax, fmq_fence_seq, fmq_futex_wait,
+    fmq_futex_wake_all, fmq_have_futex, fmq_load_u8_acq, fmq_load_u32_acq,
+    fmq_load_u32_seq, fmq_now_ns, fmq_sched_yield, fmq_store_u8_rel,
+    fmq_store_u32_rel, fmq_sub_u32_seq, fmq_load_u64_acq, fmq_store_u64_rel)
+from fastmq._shm cimport Segment
+
+import os
+
+MAGIC = 0x3152514d54534146   # b"FASTMQR1" little-endian
+LAYOUT_VERSION = 1
+
+cdef enum:
+    H_MAGIC = 0            # u64
+    H_VERSION = 8          # u32
+    H_NREADER = 12         # u32
+    H_CHUNK_BYTES = 16     # u64
+    H_NCHUNKS = 24         # u32
+    H_META_STRIDE = 28     # u32
+    H_META_OFF = 32        # u64
+    H_DATA_OFF = 40        # u64
+    H_TOTAL = 48           # u64
+    H_WAIT_MODE = 56       # u32
+    H_SPIN_NS = 64         # u64
+    H_WRITER_PID = 72      # u32
+    H_WRITER_START = 80    # u64  (process start time, clock ticks since boot)
+    H_WRITER_STATE = 88    # u32  1 = open, 2 = closed by its writer
+    H_READ_SEQ = 128       # u32 futex word that readers park on
+    H_READERS_PARKED = 192 # u32 count of parked readers
+    H_WRITE_SEQ = 256      # u32 futex word that the writer parks on
+    H_WRITER_PARKED = 320  # u32 1 while the writer is parked
+    H_READER_SLOTS = 512   # 64 B per reader: u32 pid, pad, u64 start time
+    READER_SLOT = 64
+    FRAME_HEAD = 8
+
+# Wait modes; the Python layer maps names to these.
+WAIT_SPIN = 0
+WAIT_FUTEX = 1
+WAIT_ZMQ = 2
+
+cdef int64_t PARK_SLICE_NS = 100_000_000     # safety-net re-check while parked
+cdef int64_t SPIN_SLICE_NS = 20_000_000      # GIL/signal check while spinning
+
+
+class CorruptChunkError(RuntimeError):
+    """A ring chunk's framing does not describe a valid message."""
+
+
+class SegmentMismatchError(RuntimeError):
+    """A segment is not a fastmq ring matching the handle."""
+
+
+def have_futex():
+    return bool(fmq_have_futex())
+
+
+cdef inline Py_ssize_t _align(Py_ssize_t n, Py_ssize_t a) nogil:
+    return (n + a - 1) & ~(a - 1)
+
+
+def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
+    """(meta_stride, meta_off, data_off, total) for a ring's geometry."""
+    if n_reader < 1 or n_reader > 4096:
+        raise ValueError("n_reader must be in 1..4096, got %d" % n_reader)
+    if max_chunk_bytes < 64:
+        raise ValueError("max_chunk_bytes must be at least 64, got %d" % max_chunk_bytes)
+    if max_chunks < 1:
+        raise ValueError("max_chunks must be at least 1, got %d" % max_chunks)
+    stride = _align(1 + n_reader, 64)
+    meta_off = _align(H_READER_SLOTS + READER_SLOT * n_reader, 4096)
+    data_off = _align(meta_off + stride * max_chunks, 4096)
+    total = data_off + max_chunk_bytes * max_chunks
+    return stride, meta_off, data_off, total
+
+
+cdef inline uint32_t *_u32(char *base, Py_ssize_t off) nogil:
+    return <uint32_t *>(base + off)
+
+
+cdef inline uint64_t *_u64(char *base, Py_ssize_t off) nogil:
+    return <uint64_t *>(base + off)
+
+
+cdef class Ring:
+    """One end (writer or one reader) of a ring in a mapped Segment.
+
+    ``hooks`` is a Python object consulted only off the hot path:
+    ``park_zmq(timeout_ms)`` / ``notify_zmq()`` for the ZMQ wait mode,
+    ``long_wait(elapsed_s, writer, idx)`` at every warning interval and
+    ``check_peers(writer, idx)`` at every park slice.
+    """
+
+    def __cinit__(self):
+        self.reader_rank = -1
+        self.current_idx = 0
+        self.warn_interval = 60.0
+
+    @staticmethod
+    def create(Segment seg, int n_reader, Py_ssize_t max_chunk_bytes,
+               int max_chunks, int wait_mode, int64_t spin_ns,
+               uint32_t writer_pid, uint64_t writer_start):
+        stride, meta_off, data_off, total = layout(n_reader, max_chunk_bytes, max_chunks)
+        if seg.size < total:
+            raise ValueError("segment of %d bytes is smaller than the ring (%d)" % (seg.size, total))
+        cdef char *b = <char *>seg.addr
+        memset(b, 0, data_off)
+        _u32(b, H_VERSION)[0] = LAYOUT_VERSION
+        _u32(b, H_NREADER)[0] = n_reader
+        _u64(b, H_CHUNK_BYTES)[0] = max_chunk_bytes
+        _u32(b, H_NCHUNKS)[0] = max_chunks
+        _u32(b, H_META_STRIDE)[0] = stride
+        _u64(b, H_META_OFF)[0] = meta_off
+        _u64(b, H_DATA_OFF)[0] = data_off
+        _u64(b, H_TOTAL)[0] = total
+        _u32(b, H_WAIT_MODE)[0] = wait_mode
+        _u64(b, H_SPIN_NS)[0] = spin_ns
+        _u32(b, H_WRITER_PID)[0] = writer_pid
+        _u64(b, H_WRITER_START)[0] = writer_start
+        _u32(b, H_WRITER_STATE)[0] = 1
+        # The magic goes last, released: an attacher that sees it sees the rest.
+        fmq_store_u64_rel(_u64(b, H_MAGIC), MAGIC)
+        cdef Ring self = Ring.__new__(Ring)
+        self._bind(seg, -1)
+        return self
+
+    @staticmethod
+    def attach(Segment seg, int n_reader, Py_ssize_t max_chunk_bytes,
+               int max_chunks, int reader_rank):
+        """Map a reader end; every header field is checked against the handle."""
+        stride, meta_off, data_off, total = layout(n_reader, max_chunk_bytes, max_chunks)
+        if seg.size < H_READER_SLOTS + READER_SLOT:
+            raise SegmentMismatchError(
+                "shared memory segment %r (%d bytes) is too small to be a fastmq ring"
+                % (seg.name, seg.size))
+        cdef char *b = <char *>seg.addr
+        if fmq_load_u64_acq(_u64(b, H_MAGIC)) != MAGIC:
+            raise SegmentMismatchError(
+                "shared memory segment %r is not a fastmq ring (no fastmq header); "
+                "was the handle made by vLLM's own MessageQueue while this process "
+                "uses fastmq's?" % seg.name)
+        if _u32(b, H_VERSION)[0] != LAYOUT_VERSION:
+            raise SegmentMismatchError("fastmq ring %r has layout version %d, this "
+                                       "fastmq reads version %d"
+                                       % (seg.name, _u32(b, H_VERSION)[0], LAYOUT_VERSION))
+        got = (_u32(b, H_NREADER)[0], _u64(b, H_CHUNK_BYTES)[0], _u32(b, H_NCHUNKS)[0],
+               _u32(b, H_META_STRIDE)[0], _u64(b, H_META_OFF)[0], _u64(b, H_DATA_OFF)[0],
+               _u64(b, H_TOTAL)[0])
+        want = (n_reader, max_chunk_bytes, max_chunks, stride, meta_off, data_off, total)
+        if got != want or seg.size < total:
+            raise SegmentMismatchError(
+                "fastmq ring %r header %r does not match its handle %r (segment %d bytes)"
+                % (seg.name, got, want, seg.size))
+        if not (0 <= reader_rank < n_reader):
+            raise ValueError("reader rank %d out of range for %d readers" % (reader_rank, n_reader))
+        mode = _u32(b, H_WAIT_MODE)[0]
+        if mode > WAIT_ZMQ:
+            raise SegmentMismatchError("fastmq ring %r has unknown wait mode %d" % (seg.name, mode))
+        cdef Ring self = Ring.__new__(Ring)
+        self._bind(seg, reader_rank)
+        return self
+
+    def _bind(self, Segment seg, int reader_rank):
+        cdef char *b = <char *>seg.addr
+        self.segment = seg
+        self.base = b
+        self.n_reader = _u32(b, H_NREADER)[0]
+        self.max_chunk_bytes = _u64(b, H_CHUNK_BYTES)[0]
+        self.max_chunks = _u32(b, H_NCHUNKS)[0]
+        self.meta_stride = _u32(b, H_META_STRIDE)[0]
+        self.meta_off = _u64(b, H_META_OFF)[0]
+        self.data_off = _u64(b, H_DATA_OFF)[0]
+        self.wait_mode = _u32(b, H_WAIT_MODE)[0]
+        self.spin_ns = _u64(b, H_SPIN_NS)[0]
+        self.read_seq = _u32(b, H_READ_SEQ)
+        self.readers_parked = _u32(b, H_READERS_PARKED)
+        self.write_seq = _u32(b, H_WRITE_SEQ)
+        self.writer_parked = _u32(b, H_WRITER_PARKED)
+        self.reader_rank = reader_rank
+        self.data_view = memoryview(seg)
+        import pickle
+        self.loads = pickle.loads
+
+    # -- small accessors -------------------------------------------------
+    cdef inline uint8_t *meta(self, int idx) nogil:
+        return <uint8_t *>(self.base + self.meta_off + idx * self.meta_stride)
+
+    cdef inline char *chunk(self, int idx) nogil:
+        return self.base + self.data_off + idx * self.max_chunk_bytes
+
+    cdef inline bint readable(self, int idx) nogil:
+        cdef uint8_t *m = self.meta(idx)
+        # Read flag first, then written: see the module docstring.
+        if fmq_load_u8_acq(m + 1 + self.reader_rank) != 0:
+            return False
+        return fmq_load_u8_acq(m) == 1
+
+    cdef inline bint writable(self, int idx) nogil:
+        cdef uint8_t *m = self.meta(idx)
+        cdef int r
+        if fmq_load_u8_acq(m) == 0:
+            return True
+        for r in range(self.n_reader):
+            if fmq_load_u8_acq(m + 1 + r) == 0:
+                return False
+        return True
+
+    # -- waiting ---------------------------------------------------------
+    cdef int spin_until(self, int idx, bint writer, int64_t until_ns) nogil:
+        """1: ready, 0: ``until_ns`` passed, -1: cancelled."""
+        cdef unsigned int i = 0
+        while True:
+            if (self.writable(idx) if writer else self.readable(idx)):
+                return 1
+            i += 1
+            if (i & 63) == 0:
+                if fmq_load_u32_acq(&self.cancelled):
+                    return -1
+                if fmq_now_ns() >= until_ns:
+                    return 0
+                # Give a core back to a writer/reader sharing it (with two
+                # cores and several readers the machine is oversubscribed).
+                fmq_sched_yield()
+            else:
+                fmq_cpu_relax()
+
+    cdef int park_futex(self, int idx, bint writer, int64_t timeout_ns) nogil:
+        cdef uint32_t *counter = self.writer_parked if writer else self.readers_parked
+        cdef uint32_t *word = self.write_seq if writer else self.read_seq
+        cdef uint32_t seq
+        cdef bint ready
+        fmq_add_u32_seq(counter, 1)
+        fmq_fence_seq()
+        seq = fmq_load_u32_acq(word)
+        ready = self.writable(idx) if writer else self.readable(idx)
+        if not ready and not fmq_load_u32_acq(&self.cancelled):
+            fmq_futex_wait(word, seq, timeout_ns)
+            ready = self.writable(idx) if writer else self.readable(idx)
+        fmq_sub_u32_seq(counter, 1)
+        return 1 if ready else 0
+
+    cdef int park_zmq(self, int idx, bint writer, int64_t timeout_ns) except -1:
+        # Same registration handshake as park_futex; the sleep is a poll on
+        # the notify/cancel sockets owned by the Python layer.
+        cdef bint ready
+        fmq_add_u32_seq(self.readers_parked, 1)
+        fmq_fence_seq()
+        try:
+            ready = self.readable(idx)
+            if not ready and not fmq_load_u32_acq(&self.cancelled):
+                self.hooks.park_zmq(max(1, timeout_ns // 1000000))
+                ready = self.readable(idx)
+        finally:
+            fmq_sub_u32_seq(self.readers_parked, 1)
+        return 1 if ready else 0
+
+    cdef int wait(self, int idx, bint writer, object timeout, bint warn) except -1:
+        """Block until chunk ``idx`` is writable (writer) or readable (reader)."""
+        if (self.writable(idx) if writer else self.readable(idx)):
+            return 0
+        cdef int64_t start = fmq_now_ns()
+        cdef int64_t deadline = INT64_MAX
+        cdef double t_s
+        if timeout is not None:
+            t_s = timeout
+            deadline = start + <int64_t>(max(t_s, 0.0) * 1e9)
+        cdef int64_t warn_ns = <int64_t>(self.warn_interval * 1e9)
+        cdef int64_t next_warn = start + warn_ns if (warn and warn_ns > 0) else INT64_MAX
+        cdef int mode = self.wait_mode
+        cdef int64_t spin_end = INT64_MAX if mode == WAIT_SPIN else start + self.spin_ns
+        cdef int64_t now, until
+        cdef int r
+        # A ZMQ-mode writer has no socket to park on: it spins with yields.
+        if writer and mode == WAIT_ZMQ:
+            spin_end = INT64_MAX
+        while True:
+            now = fmq_now_ns()
+            if now >= spin_end:
+                break
+            until = min(spin_end, deadline, next_warn, now + SPIN_SLICE_NS)
+            with nogil:
+                r = self.spin_until(idx, writer, until)
+            if r == 1:
+                return 0
+            if r < 0:
+                raise RuntimeError("cancelled")
+            self._slice(start, deadline, &next_warn, warn_ns, writer, idx)
+        while True:
+            now = fmq_now_ns()
+            until = min(deadline, next_warn, now + PARK_SLICE_NS)
+            if mode == WAIT_FUTEX:
+                with nogil:
+                    r = self.park_futex(idx, writer, until - now)
+            else:
+                r = self.park_zmq(idx, writer, until - now)
+            if r == 1:
+                return 0
+            if fmq_load_u32_acq(&self.cancelled):
+                raise RuntimeError("cancelled")
+            self._slice(start, deadline, &next_warn, warn_ns, writer, idx)
+
+    cdef int _slice(self, int64_t start, int64_t deadline, int64_t *next_warn,
+                    int64_t warn_ns, bint writer, int idx) except -1:
+        """Between spin slices and park slices: signals, timeout, logs, peers."""
+        PyErr_CheckSignals()
+        cdef int64_t now = fmq_now_ns()
+        if now >= deadline:
+            raise TimeoutError
+        if now >= next_warn[0]:
+            next_warn[0] += warn_ns
+            if self.hooks is not None:
+                self.hooks.long_wait((now - start) / 1e9, writer, idx)
+        if self.hooks is not None:
+            self.hooks.check_peers(writer, idx)
+        return 0
+
+    def cancel(self):
+        """Wake this end's waits with RuntimeError('cancelled'). Thread-safe."""
+        fmq_store_u32_rel(&self.cancelled, 1)
+        if self.base == NULL:
+            return
+        fmq_fence_seq()
+        # Bumping the words makes a waiter that snapshotted them just before
+        # sleeping return at once; other processes' waiters re-check and
+        # park again.
+        fmq_add_u32_seq(self.read_seq, 1)
+        fmq_futex_wake_all(self.read_seq)
+        fmq_add_u32_seq(self.write_seq, 1)
+        fmq_futex_wake_all(self.write_seq)
+
+    @property
+    def is_cancelled(self):
+        return bool(fmq_load_u32_acq(&self.cancelled))
+
+    # -- writer ------------------------------------------------------------
+    cdef int publish(self, int idx) except -1:
+        cdef uint8_t *m = self.meta(idx)
+        cdef int r
+        for r in range(self.n_reader):
+            fmq_store_u8_rel(m + 1 + r, 0)
+        fmq_store_u8_rel(m, 1)
+        self.current_idx = (idx + 1) % self.max_chunks
+        fmq_fence_seq()
+        if fmq_load_u32_seq(self.readers_parked) != 0:
+            if self.wait_mode == WAIT_ZMQ:
+                self.hooks.notify_zmq()
+            else:
+                fmq_add_u32_seq(self.read_seq, 1)
+                fmq_futex_wake_all(self.read_seq)
+        return 0
+
+    cdef inline int _check_open(self) except -1:
+        if self.base == NULL:
+            raise RuntimeError("fastmq ring is closed")
+        return 0
+
+    def acquire_write(self, timeout=None):
+        """Wait for the next chunk and return its index (written flag cleared)."""
+        self._check_open()
+        cdef int idx = self.current_idx
+        self.wait(idx, True, timeout, True)
+        fmq_store_u8_rel(self.meta(idx), 0)
+        return idx
+
+    def publish_chunk(self, int idx):
+        self.publish(idx)
+
+    def send(self, list buffers, timeout=None):
+        """Frame ``buffers`` into the next chunk and publish it.
+
+        Returns the framed size, or 0, touching nothing, when the framed
+        message does not fit a chunk (the caller then takes the overflow
+        path).
+        """
+        self._check_open()
+        cdef Py_ssize_t n = len(buffers)
+        cdef Py_ssize_t i, total
+        cdef Py_buffer *views = <Py_buffer *>malloc(sizeof(Py_buffer) * (n if n > 0 else 1))
+        if views == NULL:
+            raise MemoryError()
+        cdef Py_ssize_t got = 0
+        cdef int idx
+        cdef char *c
+        cdef Py_ssize_t off
+        try:
+            total = FRAME_HEAD + 8 * n
+            for i in range(n):
+                PyObject_GetBuffer(buffers[i], &views[i], PyBUF_SIMPLE)
+                got += 1
+                total = _align(total, 8) + views[i].len
+            if total > self.max_chunk_bytes:
+                return 0
+            idx = self.current_idx
+            self.wait(idx, True, timeout, True)
+            c = self.chunk(idx)
+            with nogil:
+                fmq_store_u8_rel(self.meta(idx), 0)
+                c[0] = 0
+                (<uint32_t *>(c + 4))[0] = <uint32_t>n
+                off = FRAME_HEAD + 8 * n
+                for i in range(n):
+                    (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0] = views[i].len
+                    off = _align(off, 8)
+                    memcpy(c + off, views[i].buf, views[i].len)
+                    off += views[i].len
+            self.publish(idx)
+            return total
+        finally:
+            for i in range(got):
+                PyBuffer_Release(&views[i])
+            free(views)
+
+    def send_overflow_mark(self, timeout=None):
+        """Publish a chunk that says: this message is on the socket."""
+        self._check_open()
+        cdef int idx = self.current_idx
+        self.wait(idx, True, timeout, True)
+        fmq_store_u8_rel(self.meta(idx), 0)
+        self.chunk(idx)[0] = 1
+        self.publish(idx)
+
+    def mark_closed(self):
+        if self.base != NULL:
+            fmq_store_u32_rel(_u32(self.base, H_WRITER_STATE), 2)
+
+    # -- reader ------------------------------------------------------------
+    cdef int release_chunk(self, int idx) except -1:
+        fmq_store_u8_rel(self.meta(idx) + 1 + self.reader_rank, 1)
+        self.current_idx = (idx + 1) % self.max_chunks
+        fmq_fence_seq()
+        if fmq_load_u32_seq(self.writer_parked) != 0:
+            fmq_add_u32_seq(self.write_seq, 1)
+            fmq_futex_wake_all(self.write_seq)
+        return 0
+
+    def acquire_read(self, timeout=None, bint indefinite=False):
+        """Wait for this reader's next chunk and return its index."""
+        self._check_open()
+        cdef int idx = self.current_idx
+        self.wait(idx, False, timeout, not indefinite)
+        return idx
+
+    def release_read(self, int idx):
+        """Mark chunk ``idx`` read by this reader."""
+        self.release_chunk(idx)
+
+    def chunk_view(self, int idx):
+        """A writable memoryview of chunk ``idx`` (valid while it is held)."""
+        if not (0 <= idx < self.max_chunks):
+            raise IndexError("chunk index %d out of range" % idx)
+        cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes
+        return self.data_view[s:s + self.max_chunk_bytes]
+
+    def decode(self, int idx):
+        """Parse chunk ``idx``: None if it marks an overflow message, else
+        ``(stream, oob)`` where ``stream`` is a view of the pickle stream
+        inside the chunk and ``oob`` owned copies of the out-of-band buffers.
+
+        Every length and count is checked against the chunk's bounds first.
+        """
+        cdef char *c = self.chunk(idx)
+        cdef uint8_t overflow = (<uint8_t *>c)[0]
+        if overflow == 1:
+            return None
+        if overflow != 0:
+            raise CorruptChunkError("fastmq ring chunk %d: bad overflow mark %d" % (idx, overflow))
+        cdef uint64_t cap = self.max_chunk_bytes
+        cdef uint64_t n = (<uint32_t *>(c + 4))[0]
+        if n < 1 or FRAME_HEAD + 8 * n > cap:
+            raise CorruptChunkError("fastmq ring chunk %d: bad buffer count %d" % (idx, n))
+        cdef uint64_t off = FRAME_HEAD + 8 * n
+        cdef uint64_t ln, start0 = 0, len0 = 0
+        cdef Py_ssize_t i
+        # Validate all lengths before touching any payload byte.
+        for i in range(<Py_ssize_t>n):
+            ln = (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0]
+            off = (off + 7) & ~(<uint64_t>7)
+            if off > cap or ln > cap - off:
+                raise CorruptChunkError(
+                    "fastmq ring chunk %d: buffer %d of %d bytes at offset %d overruns "
+                    "the %d-byte chunk" % (idx, i, ln, off, cap))
+            if i == 0:
+                start0 = off
+                len0 = ln
+            off += ln
+        cdef list oob = []
+        cdef object ba
+        cdef char *dst
+        off = start0 + len0
+        for i in range(1, <Py_ssize_t>n):
+            ln = (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0]
+            off = (off + 7) & ~(<uint64_t>7)
+            ba = PyByteArray_FromStringAndSize(NULL, ln)
+            dst = PyByteArray_AS_STRING(ba)
+            with nogil:
+                memcpy(dst, c + off, ln)
+            oob.append(ba)
+            off += ln
+        cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes + start0
+        return self.data_view[s:s + len0], oob
+
+    def recv(self, timeout=None, bint indefinite=False):
+        """Wait, decode and unpickle the next message; mark it read even if
+        decoding raises.  Returns the object, or the ``OVERFLOW`` sentinel."""
+        self._check_open()
+        cdef int idx = self.current_idx
+        self.wait(idx, False, timeout, not indefinite)
+        try:
+            frames = self.decode(idx)
+            if frames is None:
+                return OVERFLOW
+            stream, oob = frames
+            try:
+                return self.loads(stream, buffers=oob)
+            finally:
+                stream.release()
+        finally:
+            self.release_chunk(idx)
+
+    # -- peers (header fields other modules read) --------------------------
+    @property
+    def writer_pid(self):
+        return _u32(self.base, H_WRITER_PID)[0]
+
+    @property
+    def writer_start(self):
+        return _u64(self.base, H_WRITER_START)[0]
+
+    @property
+    def writer_closed(self):
+        return fmq_load_u32_acq(_u32(self.base, H_WRITER_STATE)) == 2
+
+    def set_reader_identity(self, int rank, uint32_t pid, uint64_t start):
+        if not (0 <= rank < self.n_reader):
+            raise IndexError(rank)
+        cdef char *slot = self.base + H_READER_SLOTS + READER_SLOT * rank
+        (<uint64_t *>(slot + 8))[0] = start
+        fmq_store_u32_rel(<uint32_t *>slot, pid)
+
+    def reader_identity(self, int rank):
+        if not (0 <= rank < self.n_reader):
+            raise IndexError(rank)
+        cdef char *slot = self.base + H_READER_SLOTS + READER_SLOT * rank
+        return fmq_load_u32_acq(<uint32_t *>slot), (<uint64_t *>(slot + 8))[0]
+
+    def unread_readers(self, int idx):
+        """Ranks that have not read chunk ``idx`` (for the long-wait log)."""
+        cdef uint8_t *m = self.meta(idx)
+        if fmq_load_u8_acq(m) == 0:
+            return []
+        return [r for r in range(self.n_reader) if fmq_load_u8_acq(m + 1 + r) == 0]
+
+    @property
+    def parked_readers(self):
+        return fmq_load_u32_acq(self.readers_parked)
+
+    def meta_view(self, int idx):
+        """A memoryview of chunk ``idx``'s flags: [written, read x n_reader]."""
+        if not (0 <= idx < self.max_chunks):
+            raise IndexError("chunk index %d out of range" % idx)
+        cdef Py_ssize_t s = self.meta_off + idx * self.meta_stride
+        return self.data_view[s:s + 1 + self.n_reader]
+
+    def close(self):
+        """Drop this end's view of the mapping (the Segment unmaps when unused)."""
+        if self.data_view is not None:
+            self.data_view.release()
+            self.data_view = None
+        self.base = NULL
+
+
+class _Overflow:
+    __slots__ = ()
+
+    def __repr__(self):
+        return "OVERFLOW"
+
+
+OVERFLOW = _Overflow()

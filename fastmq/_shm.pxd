@@ -1,0 +1,10 @@
+cdef class Segment:
+    cdef readonly str name
+    cdef readonly Py_ssize_t size
+    cdef readonly bint owner
+    cdef char *addr
+    cdef Py_ssize_t exports
+    cdef bint close_pending
+    cdef bint unlinked
+
+    cdef int _unmap(self) except -1

@@ -1,0 +1,203 @@
+"""Shared-memory segments: naming, space checks, and ``ShmRingBuffer``.
+
+Every segment fastmq creates is named ``fastmq_<creator pid>_<kind>_<random>``
+so that ``fastmq cleanup`` can tell whose it is and whether that process is
+gone.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from typing import Iterator
+
+from fastmq import _config, _proc
+from fastmq._ring import Ring
+from fastmq._shm import Segment
+
+SHM_PATH = "/dev/shm"
+SEGMENT_PREFIX = "fastmq_"
+
+
+def check_shm_free_space(
+    required_bytes: int,
+    shm_path: str = SHM_PATH,
+    *,
+    allocation_name: str = "shared-memory allocation",
+) -> None:
+    """Raise ``RuntimeError`` if ``shm_path`` cannot hold ``required_bytes``.
+
+    Checked before a segment is created: tmpfs allocates pages lazily, so an
+    undersized ``/dev/shm`` would otherwise surface later as a SIGBUS in
+    the middle of a copy.
+    """
+    if os.path.isdir(shm_path):
+        free = shutil.disk_usage(shm_path).free
+        if required_bytes > free:
+            mib = 1 << 20
+            raise RuntimeError(
+                f"Insufficient space in {shm_path} for {allocation_name}: "
+                f"{required_bytes / mib:.0f} MiB required, {free / mib:.0f} MiB "
+                f"free. Increase {shm_path} (e.g. --shm-size or --ipc=host) or "
+                "lower FASTMQ_MAX_CHUNK_MB / FASTMQ_MAX_CHUNKS."
+            )
+
+
+# What this process created and must remove, even when it exits with queues
+# still alive (finalizers do not run at exit): segment names and ipc paths.
+# Values are the creating pid: a forked child inherits these dicts but must
+# not remove its parent's files.
+_owned_segments: dict[str, int] = {}
+_owned_paths: dict[str, int] = {}
+
+
+def remove_at_exit(paths) -> None:
+    for p in paths:
+        _owned_paths[p] = os.getpid()
+
+
+def remove_now(paths) -> None:
+    for p in paths:
+        _owned_paths.pop(p, None)
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+
+
+@atexit.register
+def _remove_leftovers() -> None:
+    me = os.getpid()
+    remove_now([p for p, pid in list(_owned_paths.items()) if pid == me])
+    for name, pid in list(_owned_segments.items()):
+        if pid == me:
+            forget_segment(name)
+            try:
+                os.unlink(os.path.join(SHM_PATH, name))
+            except OSError:
+                pass
+
+
+def forget_segment(name: str) -> None:
+    _owned_segments.pop(name, None)
+
+
+def new_segment_name(kind: str) -> str:
+    return f"{SEGMENT_PREFIX}{os.getpid()}_{kind}_{secrets.token_hex(6)}"
+
+
+def create_segment(kind: str, size: int, what: str) -> Segment:
+    check_shm_free_space(size, allocation_name=what)
+    seg = Segment.create(new_segment_name(kind), size)
+    _owned_segments[seg.name] = os.getpid()
+    return seg
+
+
+class ShmRingBuffer:
+    """The ring segment of a ``MessageQueue`` (vLLM-compatible surface).
+
+    ``ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)`` creates a ring;
+    passing ``name`` attaches to an existing one (pickling an instance does
+    exactly that on the other side).  A name that no longer exists is
+    tolerated, as in vLLM, because handles are also unpickled on other nodes
+    where the segment is never used; such an instance has no ``ring``.
+    """
+
+    def __init__(
+        self,
+        n_reader: int,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        name: str | None = None,
+        *,
+        wait_mode: str | None = None,
+        spin_us: float | None = None,
+    ):
+        from fastmq._ring import layout
+
+        self.n_reader = n_reader
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunks = max_chunks
+        self.metadata_size = 1 + n_reader
+        self.total_bytes_of_buffer = layout(n_reader, max_chunk_bytes, max_chunks)[3]
+        self.ring: Ring | None = None
+        self.segment: Segment | None = None
+        if name is None:
+            self.is_creator = True
+            seg = create_segment("ring", self.total_bytes_of_buffer,
+                                 "the message queue ring buffer")
+            try:
+                pid, started = _proc.me()
+                self.ring = Ring.create(
+                    seg, n_reader, max_chunk_bytes, max_chunks,
+                    _config.wait_mode_code(wait_mode),
+                    int(_config.spin_us(spin_us) * 1000), pid, started,
+                )
+            except BaseException:
+                forget_segment(seg.name)
+                seg.unlink()
+                seg.close()
+                raise
+            self.segment = seg
+        else:
+            self.is_creator = False
+            try:
+                self.segment = Segment.attach(name)
+            except FileNotFoundError:
+                # Deserialised on another node: never used there.
+                self.segment = None
+        self._name = name if name is not None else self.segment.name
+
+    def attach_reader(self, reader_rank: int) -> Ring:
+        if self.segment is None:
+            raise FileNotFoundError(
+                f"fastmq ring segment {self._name!r} does not exist on this node "
+                "(its writer is gone, or this process is on another machine)"
+            )
+        self.ring = Ring.attach(self.segment, self.n_reader, self.max_chunk_bytes,
+                                self.max_chunks, reader_rank)
+        return self.ring
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def handle(self) -> tuple[int, int, int, str]:
+        return (self.n_reader, self.max_chunk_bytes, self.max_chunks, self._name)
+
+    def __reduce__(self):
+        return (self.__class__, self.handle())
+
+    @contextmanager
+    def get_data(self, current_idx: int) -> Iterator[memoryview]:
+        """A view of chunk ``current_idx``'s bytes."""
+        with self._ring_any().chunk_view(current_idx) as buf:
+            yield buf
+
+    @contextmanager
+    def get_metadata(self, current_idx: int) -> Iterator[memoryview]:
+        """A view of chunk ``current_idx``'s flags: [written, read x n_reader]."""
+        with self._ring_any().meta_view(current_idx) as buf:
+            yield buf
+
+    def _ring_any(self) -> Ring:
+        if self.ring is None:
+            self.attach_reader(0)
+        return self.ring
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+        if self.segment is not None:
+            if self.is_creator:
+                forget_segment(self.segment.name)
+                self.segment.unlink()
+            self.segment.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

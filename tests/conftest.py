@@ -1,0 +1,80 @@
+"""Shared test machinery.
+
+* Every child process is started with the spawn start method through
+  ``procs`` and is joined with a timeout; on failure all are killed.
+* After every test, nothing fastmq created may be left in /dev/shm or as an
+  ipc socket file (``no_leftovers``, autouse).
+"""
+from __future__ import annotations
+
+import gc
+import glob
+import multiprocessing as mp
+import os
+import tempfile
+
+import pytest
+
+SPAWN = mp.get_context("spawn")
+
+
+def _fastmq_files() -> set[str]:
+    shm = set(glob.glob("/dev/shm/fastmq_*"))
+    ipc = set(glob.glob(os.path.join(tempfile.gettempdir(), "fastmq_*.ipc")))
+    return shm | ipc
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    before = _fastmq_files()
+    yield
+    gc.collect()
+    left = _fastmq_files() - before
+    for path in left:  # clean up first, so one failure does not cascade
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    assert not left, f"test left shared-memory segments or ipc files: {sorted(left)}"
+
+
+class Procs:
+    """Start spawn children; ``join_all`` waits with a timeout and checks
+    exit codes; teardown kills whatever is still running."""
+
+    def __init__(self):
+        self.procs: list = []
+
+    def start(self, target, *args, **kwargs):
+        p = SPAWN.Process(target=target, args=args, kwargs=kwargs, daemon=True)
+        p.start()
+        self.procs.append(p)
+        return p
+
+    def join_all(self, timeout: float = 60.0, expect_ok: bool = True):
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                raise AssertionError(f"child {p.pid} did not finish within {timeout}s")
+            if expect_ok:
+                assert p.exitcode == 0, f"child {p.pid} exited with {p.exitcode}"
+
+    def kill_all(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+
+
+@pytest.fixture
+def procs():
+    ps = Procs()
+    try:
+        yield ps
+    finally:
+        ps.kill_all()
+
+
+@pytest.fixture
+def spawn_ctx():
+    return SPAWN
