@@ -14,7 +14,7 @@ compile_args = ["-O0", "-g", "-fsanitize=address"] if DEBUG else ["-O3"]
 link_args = ["-fsanitize=address"] if DEBUG else []
 libraries = ["rt"] if sys.platform.startswith("linux") else []
 
-MODULES = ["_shm", "_ring", "_arena"]
+MODULES = ["_shm", "_ring", "_arena", "_floor"]
 
 
 def ext(name):

@@ -12,6 +12,9 @@ from fastmq._ring import CorruptChunkError, SegmentMismatchError
 from fastmq.queue import (LONG_WAIT_TIME_LOG_MSG, BufferHandle, Handle,
                           HandleMismatchError, MessageQueue)
 from fastmq.segments import SHM_PATH, ShmRingBuffer, check_shm_free_space
+# The function shadows the submodule as an attribute of the package
+# (``from fastmq.cleanup import ...`` still reaches the module).
+from fastmq.cleanup import cleanup
 
 __version__ = "0.1.0"
 
@@ -26,4 +29,5 @@ __all__ = [
     "SegmentMismatchError",
     "HandleMismatchError",
     "LONG_WAIT_TIME_LOG_MSG",
+    "cleanup",
 ]

@@ -17,6 +17,36 @@ def new_ipc_path() -> tuple[str, str]:
     return f"ipc://{path}", path
 
 
+def bind_ipc(sock) -> tuple[str, str]:
+    """Bind ``sock`` to a fresh owner-only ipc endpoint; return (zmq address,
+    file path).
+
+    libzmq creates the socket file with the process umask (typically 0755;
+    connecting needs write permission, so a group-writable umask would let
+    other users subscribe).  A chmod after a bind at the public path leaves
+    a window in which another user could connect and stay connected (the
+    permission is only checked at connect time).  So the file is bound inside
+    a fresh 0700 directory, made 0600 there, and only then renamed to its
+    public name: it is never reachable with looser permissions.  Renaming
+    keeps the inode, so the bound socket answers at the new path.
+    """
+    addr, path = new_ipc_path()
+    private = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}_", suffix=".bind",
+                               dir=os.path.dirname(path))
+    staged = os.path.join(private, "s")
+    try:
+        sock.bind(f"ipc://{staged}")
+        os.chmod(staged, 0o600)
+        os.rename(staged, path)
+    finally:
+        for remove, p in ((os.unlink, staged), (os.rmdir, private)):
+            try:
+                remove(p)  # the staged name is gone once renamed
+            except OSError:
+                pass
+    return addr, path
+
+
 def new_inproc_path() -> str:
     return f"inproc://fastmq_{secrets.token_hex(8)}"
 

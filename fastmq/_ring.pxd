@@ -21,8 +21,16 @@ cdef class Ring:
     cdef readonly int64_t spin_ns
     cdef public object hooks
     cdef public double warn_interval
+    # Safety-net period of a parked waiter's re-check (tests stretch it to
+    # prove that no wakeup depends on it).
+    cdef public int64_t park_slice_ns
+    # Wake syscalls this end issued (a busy pipeline should issue none).
+    cdef readonly uint64_t wakeups
     cdef object data_view
     cdef object loads
+    # Called as oob_hook(oob_list) -> list before unpickling a message that
+    # has out-of-band buffers (the tensor arena maps slot descriptors).
+    cdef public object oob_hook
 
     cdef inline uint8_t *meta(self, int idx) nogil
     cdef inline char *chunk(self, int idx) nogil

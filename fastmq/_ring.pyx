@@ -144,6 +144,7 @@ cdef class Ring:
     """
 
     def __cinit__(self):
+        self.park_slice_ns = PARK_SLICE_NS
         self.reader_rank = -1
         self.current_idx = 0
         self.warn_interval = 60.0
@@ -307,7 +308,12 @@ cdef class Ring:
         return 1 if ready else 0
 
     cdef int wait(self, int idx, bint writer, object timeout, bint warn) except -1:
-        """Block until chunk ``idx`` is writable (writer) or readable (reader)."""
+        """Block until chunk ``idx`` is writable (writer) or readable (reader).
+
+        A cancelled end raises at once, even when data is ready: shutdown()
+        must stop a busy reader too, not only an idle one."""
+        if fmq_load_u32_acq(&self.cancelled):
+            raise RuntimeError("cancelled")
         if (self.writable(idx) if writer else self.readable(idx)):
             return 0
         cdef int64_t start = fmq_now_ns()
@@ -339,7 +345,7 @@ cdef class Ring:
             self._slice(start, deadline, &next_warn, warn_ns, writer, idx)
         while True:
             now = fmq_now_ns()
-            until = min(deadline, next_warn, now + PARK_SLICE_NS)
+            until = min(deadline, next_warn, now + self.park_slice_ns)
             if mode == WAIT_FUTEX:
                 with nogil:
                     r = self.park_futex(idx, writer, until - now)
@@ -394,6 +400,7 @@ cdef class Ring:
         self.current_idx = (idx + 1) % self.max_chunks
         fmq_fence_seq()
         if fmq_load_u32_seq(self.readers_parked) != 0:
+            self.wakeups += 1
             if self.wait_mode == WAIT_ZMQ:
                 self.hooks.notify_zmq()
             else:
@@ -481,6 +488,7 @@ cdef class Ring:
         self.current_idx = (idx + 1) % self.max_chunks
         fmq_fence_seq()
         if fmq_load_u32_seq(self.writer_parked) != 0:
+            self.wakeups += 1
             fmq_add_u32_seq(self.write_seq, 1)
             fmq_futex_wake_all(self.write_seq)
         return 0
@@ -563,6 +571,8 @@ cdef class Ring:
                 return OVERFLOW
             stream, oob = frames
             try:
+                if oob and self.oob_hook is not None:
+                    oob = self.oob_hook(oob)
                 return self.loads(stream, buffers=oob)
             finally:
                 stream.release()
@@ -602,9 +612,25 @@ cdef class Ring:
             return []
         return [r for r in range(self.n_reader) if fmq_load_u8_acq(m + 1 + r) == 0]
 
+    def ready(self, int idx, bint writer):
+        """Whether chunk ``idx`` is writable (``writer``) or readable by this
+        reader now, with the wait loop's acquire loads.  The peer check
+        calls it after seeing the writer gone, so that a message published
+        just before the writer closed or died is still delivered."""
+        self._check_open()
+        if not (0 <= idx < self.max_chunks):
+            raise IndexError("chunk index %d out of range" % idx)
+        if not writer and self.reader_rank < 0:
+            raise ValueError("the writer's end of a ring has no read flag")
+        return self.writable(idx) if writer else self.readable(idx)
+
     @property
     def parked_readers(self):
         return fmq_load_u32_acq(self.readers_parked)
+
+    @property
+    def parked_writer(self):
+        return fmq_load_u32_acq(self.writer_parked)
 
     def meta_view(self, int idx):
         """A memoryview of chunk ``idx``'s flags: [written, read x n_reader]."""

@@ -72,8 +72,10 @@ def _base_dispatch_table() -> dict:
 class Encoder:
     """Turns an object into ``[pickle stream, oob buffer, ...]``.
 
-    ``diverter`` (the tensor arena) may claim large buffers first: it gets
-    ``reducer_override`` calls through the pickler.
+    ``diverter`` (the tensor arena) may claim large buffers first: its
+    ``divert_buffer(buf)`` is asked for every ``PickleBuffer`` and may return
+    a small descriptor to send out of band instead of the bytes, and its
+    ``reducer_override(obj)`` is the pickler's (see ``fastmq._arena``).
     """
 
     def __init__(self, diverter: Any = None, oob_min_bytes: int = OOB_MIN_BYTES):
@@ -81,12 +83,17 @@ class Encoder:
         self._buffers: list = [b""]
         self._oob_min = oob_min_bytes
         self._copyreg_len = len(copyreg.dispatch_table)
+        self._divert = None
         if diverter is not None:
+            # The diverter's bound (Cython) method itself, not a Python
+            # wrapper around it: the pickler calls it for every object that is
+            # not a builtin container or atom.
             pickler_cls = type(
                 "_DivertingPickler",
                 (pickle.Pickler,),
-                {"reducer_override": lambda _self, obj: diverter.reducer_override(obj)},
+                {"reducer_override": staticmethod(diverter.reducer_override)},
             )
+            self._divert = getattr(diverter, "divert_buffer", None)
         else:
             pickler_cls = pickle.Pickler
         self._pickler_cls = pickler_cls
@@ -98,6 +105,11 @@ class Encoder:
         return p
 
     def _on_buffer(self, buf: PickleBuffer) -> bool:
+        if self._divert is not None:
+            desc = self._divert(buf)
+            if desc is not None:
+                self._buffers.append(desc)
+                return False
         raw = buf.raw()
         if raw.nbytes < self._oob_min:
             return True  # serialise in band

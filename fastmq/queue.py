@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import zmq
 
-from fastmq import _config, _net, _proc
+from fastmq import _config, _curve, _net, _proc
 from fastmq._ring import OVERFLOW, WAIT_ZMQ, CorruptChunkError, SegmentMismatchError
 from fastmq._serde import Encoder, decode
 from fastmq import segments
@@ -76,6 +76,10 @@ class Handle:
     remote_subscribe_addr: str | None = None
     remote_addr_ipv6: bool = False
     tensor_arena_handle: tuple | None = None
+    # fastmq only: (server public, client public, client secret) z85 keys
+    # when the remote path uses CURVE (see fastmq._curve); kept out of repr
+    # so that logging the handle does not print the secret.
+    remote_curve_keys: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
 
 
 class _Stats:
@@ -136,13 +140,25 @@ class _RingHooks:
                         f"fastmq: reader rank {r} (pid {pid}) died without reading "
                         f"chunk {idx}; the writer cannot make progress")
         else:
-            if ring.writer_closed:
-                raise RuntimeError(
-                    f"fastmq: the writer (pid {ring.writer_pid}) shut the queue down")
-            if not _proc.is_alive(ring.writer_pid, ring.writer_start):
-                raise RuntimeError(
-                    f"fastmq: the writer (pid {ring.writer_pid}) died; no more "
+            gone = self.writer_gone()
+            # Re-check the chunk after seeing the writer gone (the state is
+            # loaded first): a message it published just before closing or
+            # dying is still delivered.
+            if gone is not None and not ring.ready(idx, False):
+                raise RuntimeError(gone)
+
+    def writer_gone(self) -> str | None:
+        """Why no more messages will come (writer closed or dead), or None."""
+        ring = self._ring
+        if ring.writer_closed:
+            return f"fastmq: the writer (pid {ring.writer_pid}) shut the queue down"
+        if not self.writer_alive():
+            return (f"fastmq: the writer (pid {ring.writer_pid}) died; no more "
                     "messages will come")
+        return None
+
+    def writer_alive(self) -> bool:
+        return _proc.is_alive(self._ring.writer_pid, self._ring.writer_start)
 
 
 def _close_zmq(context, sockets, paths) -> None:
@@ -176,7 +192,9 @@ class MessageQueue:
     keyword arguments: ``wait_mode`` (``"futex"``, ``"zmq"`` or ``"spin"``;
     default ``FASTMQ_WAIT`` or futex) and ``spin_us`` (how long readers spin
     before parking; default ``FASTMQ_SPIN_US`` or 2000).  Readers adopt the
-    writer's wait mode and spin budget.
+    writer's wait mode and spin budget.  ``remote_curve`` (default
+    ``FASTMQ_CURVE`` or off) encrypts and authenticates the remote TCP path
+    with ZMQ CURVE; the keys travel in the handle (see ``fastmq._curve``).
     """
 
     def __init__(
@@ -191,6 +209,7 @@ class MessageQueue:
         *,
         wait_mode: str | None = None,
         spin_us: float | None = None,
+        remote_curve: bool | None = None,
         **arena_options: Any,
     ):
         if n_local_reader > n_reader or n_local_reader < 0:
@@ -219,6 +238,7 @@ class MessageQueue:
         self.remote_socket = None
         local_subscribe_addr = local_notify_addr = remote_subscribe_addr = None
         remote_addr_ipv6 = False
+        curve = None
         try:
             if n_local_reader > 0:
                 self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks,
@@ -228,16 +248,18 @@ class MessageQueue:
                 self.local_socket = context.socket(zmq.XPUB)
                 sockets.append(self.local_socket)
                 self.local_socket.setsockopt(zmq.XPUB_VERBOSE, True)
-                local_subscribe_addr, path = _net.new_ipc_path()
-                self.local_socket.bind(local_subscribe_addr)
+                local_subscribe_addr, path = _net.bind_ipc(self.local_socket)
                 paths.append(path)
                 notify = None
                 if ring.wait_mode == WAIT_ZMQ:
                     notify = context.socket(zmq.PUB)
                     sockets.append(notify)
-                    notify.setsockopt(zmq.SNDHWM, 1)
-                    local_notify_addr, path = _net.new_ipc_path()
-                    notify.bind(local_notify_addr)
+                    # Default high-water mark on purpose: with SNDHWM=1 a
+                    # notify sent before the socket has processed the previous
+                    # one's delivery is dropped silently -- a lost wakeup.  We
+                    # only notify while a reader is parked, so the pipe stays
+                    # short anyway.
+                    local_notify_addr, path = _net.bind_ipc(notify)
                     paths.append(path)
                 ring.hooks = _RingHooks(ring, notify_socket=notify)
                 self.tensor_arena = self._make_arena(enable_shm_tensor_arena, arena_options)
@@ -249,6 +271,10 @@ class MessageQueue:
                 self.remote_socket = context.socket(zmq.XPUB)
                 sockets.append(self.remote_socket)
                 self.remote_socket.setsockopt(zmq.XPUB_VERBOSE, True)
+                if _curve.wanted(remote_curve):
+                    curve = _curve.CurveServer(context)
+                    sockets.append(curve)  # stopped with the sockets, before term()
+                    curve.secure(self.remote_socket)
                 if _net.is_ipv6(connect_ip):
                     self.remote_socket.setsockopt(zmq.IPV6, 1)
                     remote_addr_ipv6 = True
@@ -271,6 +297,7 @@ class MessageQueue:
             remote_addr_ipv6=remote_addr_ipv6,
             tensor_arena_handle=(self.tensor_arena.handle()
                                  if self.tensor_arena is not None else None),
+            remote_curve_keys=tuple(curve.keys) if curve is not None else None,
         )
         self._finalizer = weakref.finalize(self, _close_zmq, context, sockets, paths)
         self._finalizer.atexit = False
@@ -278,10 +305,12 @@ class MessageQueue:
         logger.debug("fastmq message queue handle: %s", self.handle)
 
     def _make_arena(self, enable: bool | None, options: dict):
-        """Hook for the tensor arena (see fastmq.arena); none by default."""
-        if options:
-            raise TypeError(f"unexpected arguments {sorted(options)}")
-        return None
+        """The writer's tensor arena (see fastmq.arena), or None: off, or
+        some reader is remote.  ``options`` are the ``arena_*`` keywords."""
+        from fastmq import arena
+
+        return arena.create_for_queue(enable, options, self.n_local_reader,
+                                      self.n_remote_reader)
 
     # -- attach ------------------------------------------------------------
     def export_handle(self) -> Handle:
@@ -356,6 +385,9 @@ class MessageQueue:
                 self.remote_socket.setsockopt_string(zmq.SUBSCRIBE, "")
                 if handle.remote_addr_ipv6:
                     self.remote_socket.setsockopt(zmq.IPV6, 1)
+                keys = getattr(handle, "remote_curve_keys", None)
+                if keys is not None:
+                    _curve.secure_client(self.remote_socket, keys)
                 self.remote_socket.connect(handle.remote_subscribe_addr)
         except BaseException:
             _close_zmq(context, sockets, [])
@@ -367,8 +399,15 @@ class MessageQueue:
         return self
 
     def _attach_arena(self, handle: Handle):
-        """Hook for the tensor arena (see fastmq.arena); none by default."""
-        return None
+        """This local reader's end of the writer's arena.  A failure to
+        attach does not fail the queue: only a message that uses the arena
+        raises, with the reason (as in vLLM)."""
+        from fastmq import arena
+
+        end = arena.attach_for_queue(handle, self.local_reader_rank)
+        if end is not None:
+            self._ring.oob_hook = end.map_oob
+        return end
 
     def wait_until_ready(self) -> None:
         """Collective: the writer and every reader call it (any order).
@@ -450,30 +489,49 @@ class MessageQueue:
         object that cannot be pickled raises and nothing is sent."""
         if not self._is_writer:
             raise RuntimeError("Only writers can enqueue")
-        buffers = self._encoder.encode(obj)
-        stats = self._stats
-        if self.n_local_reader > 0:
-            framed = self._ring.send(buffers, timeout)
-            if framed:
-                stats.ring_messages += 1
-                stats.ring_bytes += framed
-            else:
-                # Order the message in the ring, then publish it on the socket.
-                # copy=True: the socket snapshots the bytes now, so mutating
-                # a tensor after enqueue returns cannot change what is read.
-                self._ring.send_overflow_mark(timeout)
-                self.local_socket.send_multipart(buffers, copy=True)
-                stats.overflow_messages += 1
-                stats.overflow_bytes += sum(memoryview(b).nbytes for b in buffers)
-        if self.n_remote_reader > 0:
-            self.remote_socket.send_multipart(buffers, copy=True)
-            stats.remote_messages += 1
-            stats.remote_bytes += sum(memoryview(b).nbytes for b in buffers)
+        arena = self.tensor_arena
+        try:
+            buffers = self._encoder.encode(obj)
+            stats = self._stats
+            if self.n_local_reader > 0:
+                framed = self._ring.send(buffers, timeout)
+                if framed:
+                    stats.ring_messages += 1
+                    stats.ring_bytes += framed
+                else:
+                    # Order the message in the ring, then publish it on the socket.
+                    # copy=True: for any buffer that is not a zmq.Frame, pyzmq
+                    # memcpys it into a new zmq message inside send() (its
+                    # copy_threshold only matters with copy=False, where large
+                    # buffers would stay shared until the IO thread sends them),
+                    # so mutating a tensor after enqueue returns cannot change
+                    # what is read.  Same for the remote socket below.
+                    self._ring.send_overflow_mark(timeout)
+                    self.local_socket.send_multipart(buffers, copy=True)
+                    stats.overflow_messages += 1
+                    stats.overflow_bytes += sum(memoryview(b).nbytes for b in buffers)
+            if self.n_remote_reader > 0:
+                self.remote_socket.send_multipart(buffers, copy=True)
+                stats.remote_messages += 1
+                stats.remote_bytes += sum(memoryview(b).nbytes for b in buffers)
+        except BaseException:
+            if arena is not None:
+                # The arena slots this message filled were never published
+                # to a reader: they are free again.
+                arena.abort()
+            raise
+        if arena is not None:
+            arena.commit()
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """Receive the next object.  ``TimeoutError`` after ``timeout``
         seconds; ``RuntimeError("cancelled")`` after ``shutdown()``."""
         if self._is_local_reader:
+            arena = self.tensor_arena
+            if arena is not None:
+                # Hand back arena slots whose last view died (CUDA-event
+                # gated where this process pinned the arena).
+                arena.flush_releases()
             obj = self._ring.recv(timeout, indefinite)
             if obj is OVERFLOW:
                 obj = self._recv_socket(self.local_socket, timeout)
@@ -484,6 +542,7 @@ class MessageQueue:
 
     def _recv_socket(self, sock, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        writer_dead = False
         while True:
             if self.shutting_down:
                 raise RuntimeError("cancelled")
@@ -495,8 +554,33 @@ class MessageQueue:
                 wait_ms = max(0, min(wait_ms, left))
             if sock.poll(timeout=wait_ms):
                 break
+            if self._ring is not None:
+                # A local reader saw an overflow mark; if the writer died
+                # before its payload left, it never comes.  Frames already
+                # in flight get one more slice.
+                if writer_dead:
+                    raise RuntimeError(self._ring.hooks.writer_gone() or "fastmq: writer died")
+                writer_dead = not self._ring.hooks.writer_alive()
         main, *oob = sock.recv_multipart(copy=False)
+        if oob and self.tensor_arena is not None:
+            oob = self.tensor_arena.map_oob(oob)
         return decode(main, oob)
+
+    def empty_tensor(self, shape, dtype=None):
+        """An uninitialised CPU tensor for the writer to fill and enqueue.
+
+        With a tensor arena and a free slot that fits, it lies inside that
+        slot, so enqueueing it copies nothing (the readers view the same
+        memory: do not modify it after enqueueing until they are done with
+        it); otherwise it is an ordinary ``torch.empty`` tensor."""
+        arena = self.tensor_arena
+        if self._is_writer and arena is not None:
+            t = arena.empty_tensor(shape, dtype)
+            if t is not None:
+                return t
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         if self._is_writer:
@@ -505,8 +589,12 @@ class MessageQueue:
         return self.dequeue()
 
     def stats(self) -> dict:
-        """Counters of what this end sent: messages and bytes per path."""
+        """Counters of this end: messages and bytes sent per path (ring,
+        overflow socket, remote socket), wake syscalls issued, and the
+        tensor arena's hits and fallbacks."""
         out = self._stats.as_dict()
+        # Futex/ZMQ wakes this end issued: zero while nobody ever parked.
+        out["wakeups"] = self._ring.wakeups if self._ring is not None else 0
         if self.tensor_arena is not None:
             out.update(self.tensor_arena.stats())
         return out

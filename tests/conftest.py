@@ -18,14 +18,34 @@ import pytest
 SPAWN = mp.get_context("spawn")
 
 
+# Pids whose files this test session answers for: itself and its children
+# (files are named fastmq_<creator pid>_...; other sessions' files are not ours).
+OUR_PIDS = {os.getpid()}
+
+
+def _creator(path: str) -> int:
+    try:
+        return int(os.path.basename(path).split("_")[1])
+    except (IndexError, ValueError):
+        return -1
+
+
 def _fastmq_files() -> set[str]:
     shm = set(glob.glob("/dev/shm/fastmq_*"))
     ipc = set(glob.glob(os.path.join(tempfile.gettempdir(), "fastmq_*.ipc")))
-    return shm | ipc
+    return {p for p in shm | ipc if _creator(p) in OUR_PIDS}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call":
+        item.fastmq_call_failed = rep.failed
 
 
 @pytest.fixture(autouse=True)
-def no_leftovers():
+def no_leftovers(request):
     before = _fastmq_files()
     yield
     gc.collect()
@@ -35,7 +55,10 @@ def no_leftovers():
             os.unlink(path)
         except OSError:
             pass
-    assert not left, f"test left shared-memory segments or ipc files: {sorted(left)}"
+    # A failed test's traceback keeps its queues alive: we removed their
+    # files above; only a passing test must have released them itself.
+    if not getattr(request.node, "fastmq_call_failed", False):
+        assert not left, f"test left shared-memory segments or ipc files: {sorted(left)}"
 
 
 class Procs:
@@ -48,6 +71,7 @@ class Procs:
     def start(self, target, *args, **kwargs):
         p = SPAWN.Process(target=target, args=args, kwargs=kwargs, daemon=True)
         p.start()
+        OUR_PIDS.add(p.pid)
         self.procs.append(p)
         return p
 

@@ -1,0 +1,1050 @@
+# cython: freethreading_compatible = False
+"""The tensor arena: one copy of a large buffer for N node-local readers.
+
+A second shared-memory segment next to the ring holds ``n_slots`` slots of
+``slot_bytes``.  The writer copies a large out-of-band buffer (a CPU
+tensor's bytes, a numpy array, any protocol-5 ``PickleBuffer``) into a free
+slot once and sends, in place of its bytes, a 48-byte *slot descriptor*;
+each reader turns the descriptor into a zero-copy ``SlotBuffer`` over the
+slot before unpickling, so the tensor/array it rebuilds *is* the shared
+memory.  The slot goes back to the writer when the last object using that
+memory is freed in every reader.
+
+Why descriptors in the out-of-band list rather than a ``reducer_override``
+stub: CPython's C pickler hands ``PickleBuffer`` (and dict, list, tuple,
+set, bytearray) objects to its own savers without consulting
+``reducer_override``; the only hook that sees every buffer is the
+pickler's ``buffer_callback``, which can only choose in-band or
+out-of-band.  So the writer's buffer callback (``divert_buffer``) replaces
+the out-of-band entry, and the reader's ring/socket path maps entries back
+(``map_oob``).  Real out-of-band entries are never smaller than
+``fastmq._serde.OOB_MIN_BYTES`` (1 MiB), so a 48-byte entry with the magic
+cannot be mistaken for one.  ``reducer_override`` is still used, but only
+to classify tensors (what must not use the arena; see ``reducer_override``).
+
+Segment layout (offsets from the mapping's base)::
+
+    +-------------------------------+ 0
+    | header (H_* below)            |  magic, version, geometry, token
+    +-------------------------------+ flags_off = 4096
+    | line 0 | line 1 | ...         |  one 64-byte-aligned line per slot:
+    |                               |  [u64 epoch][u8 written][u8 done x n_reader]
+    +-------------------------------+ data_off (2 MiB aligned, so that slots
+    | slot 0 | slot 1 | ...         |  can be huge pages where tmpfs allows)
+    +-------------------------------+ total
+
+Flag protocol (single writer; same states as the ring and as vLLM's arena):
+a slot is free for the writer when ``written == 0`` or every ``done == 1``.
+
+    writer:  claim a free slot ; written = 0 ; copy ; done[*] = 0 (release) ;
+             epoch += 1 (release) ; written = 1 (release) ;
+             then the ring chunk carrying the descriptor is published
+             (release), so a reader that acquires the chunk sees the bytes.
+    reader:  resolve: written == 1 and epoch == descriptor's epoch (acquire),
+             else the descriptor is stale or forged -> ArenaError ;
+             ... last SlotBuffer of the slot freed ... done[me] = 1 (release,
+             after every read of the slot) ; the writer's acquire load of
+             the done flags orders its next copy after those reads.
+
+Lifetimes: a reader's ``SlotBuffer`` holds a reference to its ``Arena``,
+which holds the ``Segment``; so the mapping outlives every view, and the
+arena's ``__dealloc__`` (which unregisters a CUDA pin before the segment
+unmaps) runs only after the last view is gone.  ``torch.frombuffer`` and
+``numpy.frombuffer`` keep a reference to the buffer object for the life of
+their storage, so the ``SlotBuffer`` dies exactly when the last tensor,
+view, slice or wrapper (``Parameter``) sharing the slot is freed.
+"""
+cimport cython
+from cpython.buffer cimport (PyBUF_FULL_RO, PyBUF_SIMPLE, PyBuffer_FillInfo,
+                             PyBuffer_IsContiguous, PyBuffer_Release, PyObject_GetBuffer)
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.type cimport PyType_IsSubtype
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memcpy, memset
+
+from fastmq._native.atomic cimport (fmq_load_u8_acq, fmq_load_u64_acq, fmq_store_u8_rel,
+                                    fmq_store_u64_rel)
+from fastmq._shm cimport Segment
+
+import collections
+import logging
+import os
+import secrets
+import threading
+from pickle import PickleBuffer
+
+logger = logging.getLogger("fastmq")
+
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <pthread.h>
+    #include <stdint.h>
+    #include <string.h>
+    #include <sys/mman.h>
+    #ifndef MADV_POPULATE_WRITE
+    #define MADV_POPULATE_WRITE 23
+    #endif
+    #ifndef MADV_HUGEPAGE
+    #define MADV_HUGEPAGE 14
+    #endif
+    #define FMQ_ARENA_PAGE 4096
+    #define FMQ_ARENA_MAX_THREADS 16
+
+    /* 1 until the kernel answers EINVAL (older than 5.14): then cold pages
+     * are faulted by the copy itself (or by touching, in the background). */
+    static int fmq_arena_populate_ok = 1;
+
+    static int fmq_arena_have_populate(void) {
+        return __atomic_load_n(&fmq_arena_populate_ok, __ATOMIC_RELAXED);
+    }
+
+    /* Allocate and map [p, p+n) writable without changing its contents.
+     * 0, or the errno: EFAULT/ENOMEM is what would otherwise be a SIGBUS in
+     * the middle of a memcpy (tmpfs full) -- the caller falls back instead. */
+    static int fmq_arena_populate(char *p, size_t n) {
+        if (n == 0 || !fmq_arena_have_populate()) return 0;
+        uintptr_t a = (uintptr_t)p & ~(uintptr_t)(FMQ_ARENA_PAGE - 1);
+        if (madvise((void *)a, (size_t)((uintptr_t)p + n - a), MADV_POPULATE_WRITE) == 0)
+            return 0;
+        int e = errno;
+        if (e == EINVAL) {
+            __atomic_store_n(&fmq_arena_populate_ok, 0, __ATOMIC_RELAXED);
+            return 0;
+        }
+        return e;
+    }
+
+    static void fmq_arena_hugepage(char *p, size_t n) {
+        /* Best effort: tmpfs honours it only with shmem_enabled=advise. */
+        (void)madvise((void *)p, n, MADV_HUGEPAGE);
+    }
+
+    typedef struct {
+        char *dst; const char *src; size_t n; size_t cold; int err;
+    } fmq_arena_part_t;
+
+    static void fmq_arena_part_run(fmq_arena_part_t *p) {
+        if (p->cold < p->n) {
+            p->err = fmq_arena_populate(p->dst + p->cold, p->n - p->cold);
+            if (p->err) return;
+        }
+        memcpy(p->dst, p->src, p->n);
+    }
+
+    static void *fmq_arena_part_thread(void *arg) {
+        fmq_arena_part_run((fmq_arena_part_t *)arg);
+        return NULL;
+    }
+
+    /* Copy n bytes, first populating the part from cold_from on, with up to
+     * `threads` threads (the caller is one).  Parts are page multiples, so
+     * no two threads fault or write the same page.  A thread that cannot be
+     * created is replaced by the caller doing its part.  Returns 0 or the
+     * errno of a failed populate (nothing is published then). */
+    static int fmq_arena_copy(char *dst, const char *src, size_t n, size_t cold_from,
+                              int threads, size_t min_part, int *used) {
+        fmq_arena_part_t parts[FMQ_ARENA_MAX_THREADS];
+        pthread_t tids[FMQ_ARENA_MAX_THREADS];
+        int started[FMQ_ARENA_MAX_THREADS];
+        int t = threads, k = 0, i, err;
+        size_t part, off = 0, len;
+        if (t > FMQ_ARENA_MAX_THREADS) t = FMQ_ARENA_MAX_THREADS;
+        if (min_part < FMQ_ARENA_PAGE) min_part = FMQ_ARENA_PAGE;
+        if ((size_t)t > n / min_part) t = (int)(n / min_part);
+        if (t < 1) t = 1;
+        part = ((n / (size_t)t) + FMQ_ARENA_PAGE - 1) & ~(size_t)(FMQ_ARENA_PAGE - 1);
+        for (i = 0; i < t && off < n; i++) {
+            len = (i == t - 1 || part > n - off) ? n - off : part;
+            parts[i].dst = dst + off;
+            parts[i].src = src + off;
+            parts[i].n = len;
+            parts[i].cold = cold_from <= off ? 0 : (cold_from - off < len ? cold_from - off : len);
+            parts[i].err = 0;
+            off += len;
+            k = i + 1;
+        }
+        *used = 1;
+        for (i = 1; i < k; i++) {
+            started[i] = pthread_create(&tids[i], NULL, fmq_arena_part_thread, &parts[i]) == 0;
+            if (started[i]) (*used)++;
+        }
+        if (k > 0) fmq_arena_part_run(&parts[0]);
+        err = k > 0 ? parts[0].err : 0;
+        for (i = 1; i < k; i++) {
+            if (started[i]) pthread_join(tids[i], NULL);
+            else fmq_arena_part_run(&parts[i]);
+            if (!err) err = parts[i].err;
+        }
+        return err;
+    }
+
+    /* Background pre-fault of [p, p+n) in 2 MiB steps (so that `cancel` is
+     * honoured promptly).  Content-preserving either way: populate never
+     * writes, and the fallback's atomic add of 0 cannot lose a concurrent
+     * store.  0, -1 if cancelled, or an errno. */
+    static int fmq_arena_prefault(char *p, size_t n, int *cancel) {
+        const size_t step = (size_t)2 << 20;
+        size_t off, len, q;
+        int e;
+        for (off = 0; off < n; off += step) {
+            if (__atomic_load_n(cancel, __ATOMIC_RELAXED)) return -1;
+            len = n - off < step ? n - off : step;
+            if (fmq_arena_have_populate()) {
+                e = fmq_arena_populate(p + off, len);
+                if (e) return e;
+            }
+            if (!fmq_arena_have_populate()) {
+                for (q = 0; q < len; q += FMQ_ARENA_PAGE)
+                    __atomic_fetch_add((volatile uint8_t *)(p + off + q), 0, __ATOMIC_RELAXED);
+            }
+        }
+        return 0;
+    }
+
+    /* Writer-private bookkeeping shared by the hot path and the prefault
+     * thread (not shared memory, hence not in fmq_atomic.h). */
+    static uint64_t fmq_arena_load_u64(uint64_t *p) {
+        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    }
+    static void fmq_arena_max_u64(uint64_t *p, uint64_t v) {
+        uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+        while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, 0, __ATOMIC_RELEASE,
+                                                       __ATOMIC_RELAXED)) {}
+    }
+    static int fmq_arena_load_int(int *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+    static void fmq_arena_store_int(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+    """
+    int fmq_arena_have_populate() nogil
+    int fmq_arena_populate(char *p, size_t n) nogil
+    void fmq_arena_hugepage(char *p, size_t n) nogil
+    int fmq_arena_copy(char *dst, const char *src, size_t n, size_t cold_from,
+                       int threads, size_t min_part, int *used) nogil
+    int fmq_arena_prefault(char *p, size_t n, int *cancel) nogil
+    uint64_t fmq_arena_load_u64(uint64_t *p) nogil
+    void fmq_arena_max_u64(uint64_t *p, uint64_t v) nogil
+    int fmq_arena_load_int(int *p) nogil
+    void fmq_arena_store_int(int *p, int v) nogil
+
+
+MAGIC = 0x3141514d54534146        # b"FASTMQA1" little-endian
+DESC_MAGIC = 0x31544f4c53514d46   # b"FMQSLOT1"
+LAYOUT_VERSION = 1
+DESC_LEN = 48          # bytes of a slot descriptor (C_DESC_LEN)
+PAGE = 4096
+DATA_ALIGN = 2 << 20
+
+cdef enum:
+    H_MAGIC = 0         # u64
+    H_VERSION = 8       # u32
+    H_NREADER = 12      # u32
+    H_NSLOTS = 16       # u32
+    H_STRIDE = 20       # u32
+    H_SLOT_BYTES = 24   # u64
+    H_FLAGS_OFF = 32    # u64
+    H_DATA_OFF = 40     # u64
+    H_TOTAL = 48        # u64
+    H_TOKEN = 56        # u64 random: ties descriptors to this arena
+    HEADER = 4096
+    F_EPOCH = 0         # u64 per-slot publication count
+    F_WRITTEN = 8       # u8
+    F_DONE = 9          # u8 x n_reader
+    D_MAGIC = 0         # descriptor: u64
+    D_TOKEN = 8         # u64
+    D_SLOT = 16         # u32 (+ u32 reserved)
+    D_OFFSET = 24       # u64
+    D_NBYTES = 32       # u64
+    D_EPOCH = 40        # u64
+    C_DESC_LEN = 48
+
+cdef uint64_t C_MAGIC = MAGIC
+cdef uint64_t C_DESC_MAGIC = DESC_MAGIC
+
+
+class ArenaError(RuntimeError):
+    """An arena descriptor or segment is invalid, stale, or not attached."""
+
+
+# torch is optional; without it only numpy arrays and raw buffers divert.
+# (object, not ``cdef type``: torch's classes have a metaclass, which a
+# ``type``-typed variable refuses.)
+cdef object _Tensor = None
+cdef object _Parameter = None
+cdef object _strided = None
+cdef object _reduce_tensor = None
+try:
+    import torch as _torch
+    _Tensor = _torch.Tensor
+    _Parameter = _torch.nn.Parameter
+    _strided = _torch.strided
+    from fastmq._serde import reduce_tensor as _reduce_tensor
+except ImportError:  # pragma: no cover - exercised only without torch
+    pass
+
+
+cdef inline Py_ssize_t _align(Py_ssize_t n, Py_ssize_t a) nogil:
+    return (n + a - 1) & ~(a - 1)
+
+
+cdef inline uint32_t *_u32(char *p) nogil:
+    return <uint32_t *>p
+
+
+cdef inline uint64_t *_u64(char *p) nogil:
+    return <uint64_t *>p
+
+
+def layout(int n_reader, int n_slots, Py_ssize_t slot_bytes):
+    """(stride, flags_off, data_off, total) of an arena's geometry."""
+    if n_reader < 1 or n_reader > 4096:
+        raise ValueError("n_reader must be in 1..4096, got %d" % n_reader)
+    if n_slots < 1 or n_slots > 65536:
+        raise ValueError("the arena needs 1..65536 slots, got %d" % n_slots)
+    if slot_bytes < PAGE or slot_bytes % PAGE:
+        raise ValueError("arena slot size must be a positive multiple of %d bytes, got %d"
+                         % (PAGE, slot_bytes))
+    stride = _align(F_DONE + n_reader, 64)
+    data_off = _align(HEADER + stride * n_slots, DATA_ALIGN)
+    return stride, HEADER, data_off, data_off + slot_bytes * n_slots
+
+
+def is_descriptor(obj):
+    """True if ``obj`` (an out-of-band entry) is an arena slot descriptor."""
+    cdef Py_buffer v
+    try:
+        PyObject_GetBuffer(obj, &v, PyBUF_SIMPLE)
+    except Exception:
+        return False
+    try:
+        return v.len == C_DESC_LEN and _u64(<char *>v.buf)[0] == C_DESC_MAGIC
+    finally:
+        PyBuffer_Release(&v)
+
+
+@cython.final
+@cython.no_gc_clear
+cdef class Arena:
+    """One end of an arena: the writer (``create``) or reader ``rank``
+    (``attach``).  The Python surface is ``fastmq.arena.ShmTensorArena``."""
+
+    def __cinit__(self):
+        self.reader_rank = -1
+        self.n_slots = 0
+        self.pending = []
+        self.deferred = []
+
+    @staticmethod
+    def create(Segment seg, int n_reader, int n_slots, Py_ssize_t slot_bytes,
+               Py_ssize_t min_bytes, int copy_threads, Py_ssize_t copy_min_part,
+               bint prefault_ahead):
+        stride, flags_off, data_off, total = layout(n_reader, n_slots, slot_bytes)
+        if seg.size < total:
+            raise ValueError("segment of %d bytes is smaller than the arena (%d)" % (seg.size, total))
+        cdef char *b = <char *>seg.addr
+        # Only the header and flag lines are touched (a new segment reads as
+        # zeros anyway); slot pages stay unallocated until first use, so an
+        # idle arena costs no memory.
+        memset(b, 0, flags_off + stride * n_slots)
+        _u32(b + H_VERSION)[0] = LAYOUT_VERSION
+        _u32(b + H_NREADER)[0] = n_reader
+        _u32(b + H_NSLOTS)[0] = n_slots
+        _u32(b + H_STRIDE)[0] = stride
+        _u64(b + H_SLOT_BYTES)[0] = slot_bytes
+        _u64(b + H_FLAGS_OFF)[0] = flags_off
+        _u64(b + H_DATA_OFF)[0] = data_off
+        _u64(b + H_TOTAL)[0] = total
+        _u64(b + H_TOKEN)[0] = int.from_bytes(secrets.token_bytes(8), "little")
+        # Magic last, released: an attacher that sees it sees the rest.
+        fmq_store_u64_rel(_u64(b + H_MAGIC), C_MAGIC)
+        cdef Arena self = Arena.__new__(Arena)
+        self._bind(seg, -1)
+        self.min_bytes = max(1, min_bytes)
+        self.copy_threads = max(1, copy_threads)
+        self.copy_min_part = copy_min_part
+        self.prefault_ahead = prefault_ahead
+        self.reserved = <int *>calloc(n_slots, sizeof(int))
+        self.in_message = <uint8_t *>calloc(n_slots, 1)
+        self.faulted = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
+        self.prefault_queued = <uint8_t *>calloc(n_slots, 1)
+        if (self.reserved == NULL or self.in_message == NULL or self.faulted == NULL
+                or self.prefault_queued == NULL):
+            raise MemoryError()
+        self.prefault_jobs = collections.deque()
+        self.prefault_lock = threading.Lock()
+        return self
+
+    @staticmethod
+    def attach(Segment seg, int n_reader, Py_ssize_t slot_bytes, int n_slots, int reader_rank):
+        """Map reader ``reader_rank``; the header must match the handle."""
+        stride, flags_off, data_off, total = layout(n_reader, n_slots, slot_bytes)
+        if seg.size < HEADER:
+            raise ArenaError("shared memory segment %r (%d bytes) is too small to be a "
+                             "fastmq arena" % (seg.name, seg.size))
+        cdef char *b = <char *>seg.addr
+        if fmq_load_u64_acq(_u64(b + H_MAGIC)) != C_MAGIC:
+            raise ArenaError("shared memory segment %r is not a fastmq tensor arena" % seg.name)
+        if _u32(b + H_VERSION)[0] != LAYOUT_VERSION:
+            raise ArenaError("fastmq arena %r has layout version %d, this fastmq reads %d"
+                             % (seg.name, _u32(b + H_VERSION)[0], LAYOUT_VERSION))
+        got = (_u32(b + H_NREADER)[0], _u32(b + H_NSLOTS)[0], _u32(b + H_STRIDE)[0],
+               _u64(b + H_SLOT_BYTES)[0], _u64(b + H_FLAGS_OFF)[0], _u64(b + H_DATA_OFF)[0],
+               _u64(b + H_TOTAL)[0])
+        want = (n_reader, n_slots, stride, slot_bytes, flags_off, data_off, total)
+        if got != want or seg.size < total:
+            raise ArenaError("fastmq arena %r header %r does not match its handle %r "
+                             "(segment %d bytes)" % (seg.name, got, want, seg.size))
+        if not (0 <= reader_rank < n_reader):
+            raise ValueError("reader rank %d out of range for %d readers" % (reader_rank, n_reader))
+        cdef Arena self = Arena.__new__(Arena)
+        self._bind(seg, reader_rank)
+        self.refs = <int *>calloc(n_slots, sizeof(int))
+        self.ref_epoch = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
+        if self.refs == NULL or self.ref_epoch == NULL:
+            raise MemoryError()
+        return self
+
+    def _bind(self, Segment seg, int reader_rank):
+        cdef char *b = <char *>seg.addr
+        self.segment = seg
+        self.name = seg.name
+        self.base = b
+        self.n_reader = _u32(b + H_NREADER)[0]
+        self.n_slots = _u32(b + H_NSLOTS)[0]
+        self.stride = _u32(b + H_STRIDE)[0]
+        self.slot_bytes = _u64(b + H_SLOT_BYTES)[0]
+        self.flags_off = _u64(b + H_FLAGS_OFF)[0]
+        self.data_off = _u64(b + H_DATA_OFF)[0]
+        self.total_bytes = _u64(b + H_TOTAL)[0]
+        self.token = _u64(b + H_TOKEN)[0]
+        self.data = b + self.data_off
+        self.reader_rank = reader_rank
+        fmq_arena_hugepage(self.data, self.slot_bytes * self.n_slots)
+
+    def __dealloc__(self):
+        # Runs only once no SlotBuffer and no prefault thread is left (they
+        # hold references).  The CUDA registration must go before the
+        # Segment (released right after this) unmaps the memory.
+        if self.pinned and self.cuda is not None:
+            try:
+                self.cuda.host_unregister(<uintptr_t>self.base)
+            except BaseException:
+                pass  # no CUDA context any more (interpreter exit): dies with the process
+        free(self.reserved)
+        free(self.in_message)
+        free(self.faulted)
+        free(self.prefault_queued)
+        free(self.refs)
+        free(self.ref_epoch)
+
+    # -- layout accessors --------------------------------------------------
+    cdef inline char *line(self, int slot) noexcept nogil:
+        return self.base + self.flags_off + slot * self.stride
+
+    cdef inline char *slot_ptr(self, int slot) noexcept nogil:
+        return self.data + slot * self.slot_bytes
+
+    cdef bint slot_free(self, int slot) noexcept nogil:
+        cdef char *ln = self.line(slot)
+        cdef int r
+        if fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)) == 0:
+            return True
+        for r in range(self.n_reader):
+            if fmq_load_u8_acq(<uint8_t *>(ln + F_DONE + r)) == 0:
+                return False
+        return True
+
+    @property
+    def address(self):
+        """Base address of this process's mapping."""
+        return <uintptr_t>self.base
+
+    @property
+    def data_address(self):
+        return <uintptr_t>self.data
+
+    @property
+    def is_writer(self):
+        return self.reader_rank < 0
+
+    def slot_state(self, int slot):
+        """``(epoch, written, [done per reader])`` of a slot, for tests and logs."""
+        if not (0 <= slot < self.n_slots):
+            raise IndexError("slot %d out of range" % slot)
+        cdef char *ln = self.line(slot)
+        return (fmq_load_u64_acq(_u64(ln + F_EPOCH)),
+                fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)),
+                [fmq_load_u8_acq(<uint8_t *>(ln + F_DONE + r)) for r in range(self.n_reader)])
+
+    def free_slots(self):
+        """Slots the writer could fill now (free by the flags and not held
+        by a writer-side ``empty_tensor``)."""
+        return [s for s in range(self.n_slots)
+                if self.slot_free(s) and (self.reserved == NULL or self.reserved[s] == 0)]
+
+    def reader_refs(self, int slot):
+        """Live SlotBuffers of this reader over ``slot``."""
+        if self.refs == NULL or not (0 <= slot < self.n_slots):
+            return 0
+        return self.refs[slot]
+
+    def faulted_bytes(self, int slot):
+        """Writer: bytes from the start of ``slot`` known to be populated."""
+        if self.faulted == NULL or not (0 <= slot < self.n_slots):
+            return 0
+        return fmq_arena_load_u64(&self.faulted[slot])
+
+    # == writer =============================================================
+    # binding(False): a plain METH_O method, the cheapest callable the C
+    # pickler can call (it calls this for every non-builtin object).
+    @cython.binding(False)
+    def reducer_override(self, obj):
+        """Consulted by the pickler for every object that is not a builtin
+        container/atom, so the common case returns after one subtype check.
+
+        It never diverts anything itself (buffers are diverted in
+        ``divert_buffer``); it makes sure that tensors which must not use the
+        arena do not, and counts them: unknown ``Tensor`` subclasses (their
+        type could not be rebuilt from bytes), ``requires_grad``,
+        conjugate/negative-bit, non-strided, and non-contiguous tensors.  The
+        last kind would reach the buffer callback as the contiguous copy
+        ``reduce_tensor`` makes; it is reduced here and that buffer is marked
+        so that it takes the out-of-band path, as the issue asks.
+        ``Parameter`` passes: torch reduces it through ``.data``, an exact
+        tensor checked here, and rebuilds it with its own
+        ``_rebuild_parameter`` over the arena-backed data.
+        """
+        cdef object t = type(obj)
+        if _Tensor is None or not PyType_IsSubtype(<type>t, <type>_Tensor):
+            return NotImplemented
+        if t is _Parameter:
+            return NotImplemented
+        try:
+            if not obj.is_cpu:
+                return NotImplemented
+            nbytes = obj.nbytes
+        except Exception:
+            return NotImplemented
+        if nbytes < self.min_bytes:
+            return NotImplemented
+        if t is not _Tensor:
+            self.n_declined += 1
+            return NotImplemented
+        if (obj.layout is not _strided or obj.requires_grad or obj.is_conj()
+                or obj.is_neg()):
+            self.n_declined += 1
+            return NotImplemented
+        if not obj.is_contiguous():
+            self.n_declined += 1
+            rv = _reduce_tensor(obj)
+            args = rv[1]
+            if args and type(args[0]) is PickleBuffer:
+                self.skip_buffer = args[0]
+            return rv
+        return NotImplemented
+
+    def divert_buffer(self, buf):
+        """The pickler's buffer callback asks this first for every
+        ``PickleBuffer``: returns a slot descriptor (bytes) to send out of
+        band instead of the buffer, or None (the normal path).  Never
+        blocks: a full arena, a buffer over a slot or under the threshold,
+        or a declined one returns None."""
+        if self.reader_rank >= 0:
+            raise ArenaError("only the arena's writer can divert buffers")
+        if buf is self.skip_buffer:
+            self.skip_buffer = None
+            return None
+        cdef Py_buffer view
+        PyObject_GetBuffer(buf, &view, PyBUF_FULL_RO)
+        try:
+            return self.divert(&view)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef object divert(self, Py_buffer *view):
+        cdef Py_ssize_t nbytes = view.len
+        cdef char *ptr = <char *>view.buf
+        cdef int slot
+        if not PyBuffer_IsContiguous(view, b'A'):
+            if nbytes >= self.min_bytes:
+                self.n_declined += 1
+            return None
+        if self.closed:
+            return None
+        if nbytes > 0 and self.data <= ptr and ptr < self.data + self.slot_bytes * self.n_slots:
+            desc = self.in_place(ptr, nbytes)
+            if desc is not None:
+                return desc
+        if nbytes < self.min_bytes:
+            self.n_small += 1
+            return None
+        if nbytes > self.slot_bytes:
+            self.n_oversize += 1
+            if not self.logged_oversize:
+                self.logged_oversize = True
+                logger.warning(
+                    "fastmq arena %s: a %d-byte buffer does not fit a %d-byte slot; it "
+                    "takes the out-of-band path (raise FASTMQ_ARENA_SLOT_MB to divert "
+                    "buffers this large). Logged once.", self.name, nbytes, self.slot_bytes)
+            return None
+        slot = self.claim()
+        if slot < 0:
+            self.n_exhausted += 1
+            if not self.logged_exhausted:
+                self.logged_exhausted = True
+                logger.warning(
+                    "fastmq arena %s: no free slot for a %d-byte buffer (all %d slots of "
+                    "%d bytes are held until every reader frees its views); it takes the "
+                    "out-of-band path (raise FASTMQ_ARENA_SLOTS if this repeats). Logged once.",
+                    self.name, nbytes, self.n_slots, self.slot_bytes)
+            return None
+        return self.copy_in(slot, ptr, nbytes)
+
+    cdef int claim(self) noexcept nogil:
+        # Lowest free index first, not round robin: pages of a slot stay
+        # allocated once touched, so reusing the few low slots keeps the
+        # copy on warm pages (a fresh tmpfs page costs several times the
+        # copy itself) and leaves the other slots unallocated.
+        cdef int s
+        for s in range(self.n_slots):
+            if self.reserved[s] == 0 and self.in_message[s] == 0 and self.slot_free(s):
+                return s
+        return -1
+
+    cdef uint64_t publish(self, int slot) noexcept nogil:
+        cdef char *ln = self.line(slot)
+        cdef int r
+        cdef uint64_t epoch = _u64(ln + F_EPOCH)[0] + 1   # only the writer stores it
+        for r in range(self.n_reader):
+            fmq_store_u8_rel(<uint8_t *>(ln + F_DONE + r), 0)
+        fmq_store_u64_rel(_u64(ln + F_EPOCH), epoch)
+        fmq_store_u8_rel(<uint8_t *>(ln + F_WRITTEN), 1)
+        self.in_message[slot] = 1
+        self.n_in_message += 1
+        return epoch
+
+    cdef bytes descriptor(self, int slot, uint64_t offset, uint64_t nbytes, uint64_t epoch):
+        cdef bytes d = PyBytes_FromStringAndSize(NULL, C_DESC_LEN)
+        cdef char *p = PyBytes_AS_STRING(d)
+        memset(p, 0, C_DESC_LEN)
+        _u64(p + D_MAGIC)[0] = C_DESC_MAGIC
+        _u64(p + D_TOKEN)[0] = self.token
+        _u32(p + D_SLOT)[0] = slot
+        _u64(p + D_OFFSET)[0] = offset
+        _u64(p + D_NBYTES)[0] = nbytes
+        _u64(p + D_EPOCH)[0] = epoch
+        return d
+
+    cdef object copy_in(self, int slot, const char *src, Py_ssize_t nbytes):
+        cdef char *dst = self.slot_ptr(slot)
+        cdef uint64_t warm = fmq_arena_load_u64(&self.faulted[slot])
+        cdef size_t cold_from = warm if warm < <uint64_t>nbytes else nbytes
+        cdef int err, used = 1, threads = self.copy_threads
+        cdef size_t min_part = self.copy_min_part
+        # written = 0 while the bytes change: a stale descriptor for this
+        # slot is refused by readers from here on.
+        fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_WRITTEN), 0)
+        with nogil:
+            err = fmq_arena_copy(dst, src, nbytes, cold_from, threads, min_part, &used)
+        if err:
+            self.n_nomem += 1
+            if not self.logged_nomem:
+                self.logged_nomem = True
+                logger.warning(
+                    "fastmq arena %s: cannot allocate %d bytes of shared memory for slot %d "
+                    "(%s; /dev/shm is probably full); buffers take the out-of-band path "
+                    "while this lasts. Logged once.", self.name, nbytes, slot, os.strerror(err))
+            return None
+        fmq_arena_max_u64(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+        if cold_from < <size_t>nbytes:
+            self.after_cold_use(slot)
+        epoch = self.publish(slot)
+        self.n_hits += 1
+        self.n_hit_bytes += nbytes
+        return self.descriptor(slot, 0, nbytes, epoch)
+
+    cdef object in_place(self, char *ptr, Py_ssize_t nbytes):
+        """A buffer already inside one of our slots (``empty_tensor``):
+        publish that slot instead of copying, or None to copy it."""
+        cdef Py_ssize_t off = ptr - self.data
+        cdef int slot = off // self.slot_bytes
+        cdef Py_ssize_t start = off - slot * self.slot_bytes
+        cdef char *ln = self.line(slot)
+        if nbytes > self.slot_bytes - start:
+            return None
+        if self.in_message[slot]:
+            # Another view of a slot this message already published.
+            self.n_inplace += 1
+            return self.descriptor(slot, start, nbytes, _u64(ln + F_EPOCH)[0])
+        if self.reserved[slot] == 0 or not self.slot_free(slot):
+            # Still published by an earlier message (its readers hold it):
+            # re-publishing would reset their done flags, so copy instead.
+            return None
+        epoch = self.publish(slot)
+        self.n_inplace += 1
+        self.n_hits += 1
+        self.n_hit_bytes += nbytes
+        return self.descriptor(slot, start, nbytes, epoch)
+
+    def commit(self):
+        """The message was sent: its slots belong to the readers now."""
+        cdef int s
+        if self.n_in_message:
+            for s in range(self.n_slots):
+                self.in_message[s] = 0
+            self.n_in_message = 0
+        self.skip_buffer = None
+
+    def abort(self):
+        """The message was not sent (pickling error, timeout, cancel): no
+        reader will ever see its descriptors, so its slots are free again."""
+        cdef int s
+        if self.n_in_message:
+            for s in range(self.n_slots):
+                if self.in_message[s]:
+                    fmq_store_u8_rel(<uint8_t *>(self.line(s) + F_WRITTEN), 0)
+                    self.in_message[s] = 0
+            self.n_in_message = 0
+        self.skip_buffer = None
+
+    def reserve(self, Py_ssize_t nbytes):
+        """Writer: a ``SlotBuffer`` over the first ``nbytes`` of a free slot
+        (for ``empty_tensor``), or None.  The slot stays out of the
+        writer's rotation while the buffer lives; sending a buffer that lies
+        in it publishes the slot without a copy."""
+        cdef int slot
+        if self.reader_rank >= 0:
+            raise ArenaError("only the arena's writer can allocate in it")
+        if nbytes <= 0 or nbytes > self.slot_bytes or self.closed:
+            self.n_empty_miss += 1
+            return None
+        slot = self.claim()
+        if slot < 0 or self.populate_for_use(slot, nbytes) != 0:
+            self.n_empty_miss += 1
+            return None
+        cdef SlotBuffer sb = SlotBuffer.__new__(SlotBuffer)
+        sb.arena = self
+        sb.ptr = self.slot_ptr(slot)
+        sb.nbytes = nbytes
+        sb.slot = slot
+        sb.writer_side = True
+        self.reserved[slot] += 1
+        self.n_empty += 1
+        return sb
+
+    cdef int populate_for_use(self, int slot, Py_ssize_t nbytes) except -2:
+        """Make ``nbytes`` of ``slot`` resident before the caller writes it:
+        0, or -1 when shared memory cannot be allocated (no SIGBUS later)."""
+        cdef uint64_t warm = fmq_arena_load_u64(&self.faulted[slot])
+        cdef int err
+        if warm >= <uint64_t>nbytes:
+            return 0
+        with nogil:
+            err = fmq_arena_populate(self.slot_ptr(slot) + warm, nbytes - warm)
+        if err:
+            self.n_nomem += 1
+            return -1
+        fmq_arena_max_u64(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+        self.after_cold_use(slot)
+        return 0
+
+    cdef void drop_writer_ref(self, int slot) noexcept:
+        self.reserved[slot] -= 1
+
+    # -- pre-faulting ----------------------------------------------------------
+    cdef object after_cold_use(self, int slot):
+        # A slot was just used on cold pages: pre-fault the rest of it and
+        # the next untouched slot in the background, so that the next
+        # buffer (or a bigger one in this slot) finds warm pages.
+        cdef int s
+        if not self.prefault_ahead:
+            return None
+        want = [slot]
+        for s in range(self.n_slots):
+            if s != slot and fmq_arena_load_u64(&self.faulted[s]) < <uint64_t>self.slot_bytes:
+                want.append(s)
+                break
+        self.prefault(want)
+        return None
+
+    def prefault(self, slots):
+        """Writer: populate ``slots`` fully in a background thread (off the
+        hot path).  Slots already populated or queued are skipped."""
+        cdef int s
+        if self.reader_rank >= 0 or self.closed:
+            return
+        with self.prefault_lock:
+            for s in slots:
+                if not (0 <= s < self.n_slots) or self.prefault_queued[s]:
+                    continue
+                if fmq_arena_load_u64(&self.faulted[s]) >= <uint64_t>self.slot_bytes:
+                    continue
+                self.prefault_queued[s] = 1
+                self.prefault_jobs.append(s)
+            if self.prefault_jobs and not self.prefault_running:
+                self.prefault_running = True
+                threading.Thread(target=self._prefault_loop, name="fastmq-arena-prefault",
+                                 daemon=True).start()
+
+    def _prefault_loop(self):
+        cdef int s = 0, err
+        cdef uint64_t start
+        cdef char *p
+        cdef size_t n
+        while True:
+            with self.prefault_lock:
+                if not self.prefault_jobs or fmq_arena_load_int(&self.cancel_prefault):
+                    self.prefault_running = False
+                    return
+                s = self.prefault_jobs.popleft()
+            start = fmq_arena_load_u64(&self.faulted[s])
+            if start >= <uint64_t>self.slot_bytes:
+                continue
+            p = self.slot_ptr(s) + start
+            n = self.slot_bytes - start
+            with nogil:
+                err = fmq_arena_prefault(p, n, &self.cancel_prefault)
+            if err == 0:
+                fmq_arena_max_u64(&self.faulted[s], self.slot_bytes)
+                self.n_prefaulted += n
+            elif err > 0:
+                self.prefault_error = err
+                logger.warning("fastmq arena %s: background pre-fault of slot %d failed (%s); "
+                               "the copy will fault those pages itself", self.name, s,
+                               os.strerror(err))
+                with self.prefault_lock:
+                    self.prefault_running = False
+                    self.prefault_jobs.clear()
+                return
+
+    def prefault_idle(self):
+        """True when no background pre-fault is queued or running."""
+        if self.prefault_lock is None:
+            return True
+        with self.prefault_lock:
+            return not self.prefault_running
+
+    def close(self):
+        """Stop background work and refuse new diversions.  The mapping
+        itself goes when the last reference (views included) does."""
+        self.closed = True
+        fmq_arena_store_int(&self.cancel_prefault, 1)
+
+    # == reader =============================================================
+    def map_oob(self, list oob):
+        """Replace the slot descriptors among a message's out-of-band
+        entries by zero-copy views of their slots (memoryviews over
+        ``SlotBuffer``s; in place; returns ``oob``).
+        All of them are resolved before unpickling, so if unpickling fails
+        the buffers die with the list and every slot is still released."""
+        cdef Py_ssize_t i, n = len(oob)
+        cdef Py_buffer v
+        cdef char desc[C_DESC_LEN]
+        cdef bint found
+        for i in range(n):
+            PyObject_GetBuffer(oob[i], &v, PyBUF_SIMPLE)
+            found = v.len == C_DESC_LEN and _u64(<char *>v.buf)[0] == C_DESC_MAGIC
+            if found:
+                memcpy(desc, v.buf, C_DESC_LEN)
+            PyBuffer_Release(&v)
+            if found:
+                # A memoryview (sliceable, like the bytearray the ring gives
+                # for a copied buffer); it holds the SlotBuffer alive.
+                oob[i] = memoryview(self.resolve(desc))
+        return oob
+
+    cdef object resolve(self, const char *desc):
+        if self.reader_rank < 0:
+            raise ArenaError("the arena's writer cannot resolve slot descriptors")
+        cdef uint64_t token = _u64(<char *>desc + D_TOKEN)[0]
+        cdef uint64_t slot = _u32(<char *>desc + D_SLOT)[0]
+        cdef uint64_t offset = _u64(<char *>desc + D_OFFSET)[0]
+        cdef uint64_t nbytes = _u64(<char *>desc + D_NBYTES)[0]
+        cdef uint64_t epoch = _u64(<char *>desc + D_EPOCH)[0]
+        if token != self.token:
+            raise ArenaError("slot descriptor belongs to another arena (token %#x, arena %s "
+                             "has %#x)" % (token, self.name, self.token))
+        if slot >= <uint64_t>self.n_slots:
+            raise ArenaError("slot descriptor names slot %d; arena %s has %d slots"
+                             % (slot, self.name, self.n_slots))
+        if offset > <uint64_t>self.slot_bytes or nbytes > <uint64_t>self.slot_bytes - offset:
+            raise ArenaError("slot descriptor range [%d, %d+%d) overruns the %d-byte slot of "
+                             "arena %s" % (offset, offset, nbytes, self.slot_bytes, self.name))
+        cdef char *ln = self.line(<int>slot)
+        cdef uint64_t now = fmq_load_u64_acq(_u64(ln + F_EPOCH))
+        if fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)) != 1 or now != epoch:
+            raise ArenaError("stale slot descriptor: slot %d of arena %s is at epoch %d, "
+                             "not %d" % (slot, self.name, now, epoch))
+        if self.refs[slot] > 0 and self.ref_epoch[slot] != epoch:
+            raise ArenaError("slot %d of arena %s re-published while this reader still "
+                             "holds it" % (slot, self.name))
+        self.maybe_pin()
+        cdef SlotBuffer sb = SlotBuffer.__new__(SlotBuffer)
+        sb.arena = self
+        sb.ptr = self.slot_ptr(<int>slot) + offset
+        sb.nbytes = nbytes
+        sb.slot = <int>slot
+        sb.writer_side = False
+        self.refs[slot] += 1
+        self.ref_epoch[slot] = epoch
+        self.n_views += 1
+        return sb
+
+    cdef object maybe_pin(self):
+        # Once, lazily, and only where CUDA is already initialised (see
+        # fastmq._cuda): registering 8 x 256 MiB allocates and locks all of
+        # it, so a queue that never carries a large buffer never pins.
+        if self.pin_attempted:
+            return None
+        from fastmq import _cuda
+        rt = _cuda.runtime()
+        if rt is None:
+            return None
+        try:
+            if not rt.is_initialized():
+                return None
+        except Exception:
+            return None
+        self.pin_attempted = True
+        try:
+            rc = rt.host_register(<uintptr_t>self.base, self.total_bytes)
+        except Exception as e:
+            logger.info("fastmq arena %s: cudaHostRegister skipped: %s", self.name, str(e))
+            return None
+        self.pinned = rc == 0
+        if self.pinned:
+            self.cuda = rt
+        logger.info("fastmq arena %s: cudaHostRegister(%d MiB) -> %s", self.name,
+                    self.total_bytes >> 20, "pinned" if self.pinned else "error %s" % rc)
+        return None
+
+    cdef void drop_reader_ref(self, int slot) noexcept:
+        self.refs[slot] -= 1
+        if self.refs[slot] > 0:
+            return
+        if self.pinned:
+            # The memory may still be the source of an async H2D copy: the
+            # next flush_releases records an event after it.
+            try:
+                self.pending.append(slot)
+                return
+            except BaseException:
+                pass
+        self.mark_done(slot)
+
+    cdef void mark_done(self, int slot) noexcept:
+        fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_DONE + self.reader_rank), 1)
+        self.n_released += 1
+
+    def flush_releases(self):
+        """Reader, at every dequeue: hand back slots whose views are gone.
+
+        Unpinned, a slot is handed back the moment its last view dies (a
+        pageable H2D has consumed its source when the call returns).
+        Pinned, the copy is an async DMA that can outlive the view: freed
+        slots wait here for an event recorded now, on the current stream,
+        i.e. after the previous step's copies, and are handed back once it
+        completes (polled, never waited on)."""
+        cdef int s
+        if self.deferred:
+            keep = []
+            for ev, slots in self.deferred:
+                if ev.query():
+                    for s in slots:
+                        self.mark_done(s)
+                else:
+                    keep.append((ev, slots))
+            self.deferred = keep
+        if self.pending:
+            slots, self.pending = self.pending, []
+            ev = None
+            if self.cuda is not None:
+                try:
+                    ev = self.cuda.record_event()
+                except Exception as e:
+                    logger.info("fastmq arena %s: cannot record a CUDA event (%s); "
+                                "releasing without one", self.name, str(e))
+            if ev is None:
+                for s in slots:
+                    self.mark_done(s)
+            else:
+                self.n_event_gated += len(slots)
+                self.deferred.append((ev, slots))
+
+    # == both =================================================================
+    def stats(self):
+        if self.reader_rank < 0:
+            return {
+                "arena_hits": self.n_hits,
+                "arena_bytes": self.n_hit_bytes,
+                "arena_inplace": self.n_inplace,
+                "arena_fallback_exhausted": self.n_exhausted,
+                "arena_fallback_oversize": self.n_oversize,
+                "arena_fallback_declined": self.n_declined,
+                "arena_fallback_small": self.n_small,
+                "arena_fallback_nomem": self.n_nomem,
+                "arena_empty_tensors": self.n_empty,
+                "arena_empty_misses": self.n_empty_miss,
+                "arena_prefaulted_bytes": self.n_prefaulted,
+                "arena_slots": self.n_slots,
+                "arena_slot_bytes": self.slot_bytes,
+            }
+        return {
+            "arena_views": self.n_views,
+            "arena_released": self.n_released,
+            "arena_event_gated": self.n_event_gated,
+            "arena_pinned": int(self.pinned),
+            "arena_slots": self.n_slots,
+            "arena_slot_bytes": self.slot_bytes,
+        }
+
+    def __repr__(self):
+        return "<fastmq Arena %r %s %d x %d>" % (
+            self.name, "writer" if self.reader_rank < 0 else "reader %d" % self.reader_rank,
+            self.n_slots, self.slot_bytes)
+
+
+@cython.final
+@cython.no_gc_clear
+cdef class SlotBuffer:
+    """Writable bytes of one arena slot (or part of one).
+
+    Whatever is built over it -- a tensor, a numpy array, a memoryview --
+    keeps a reference to it; when the last one goes, this object is freed
+    and the slot is released (reader) or returns to the writer's rotation
+    (``empty_tensor``).  It holds its arena, so the mapping cannot go first.
+    """
+
+    def __cinit__(self):
+        self.slot = -1
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        PyBuffer_FillInfo(view, self, self.ptr, self.nbytes, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass
+
+    def __len__(self):
+        return self.nbytes
+
+    @property
+    def address(self):
+        return <uintptr_t>self.ptr
+
+    def __reduce_ex__(self, protocol):
+        # Forwarded to another queue: as a buffer (which that queue's arena
+        # may divert again), rebuilt as a memoryview over whatever arrives.
+        if protocol >= 5:
+            return memoryview, (PickleBuffer(self),)
+        return bytearray, (bytes(self),)
+
+    def __dealloc__(self):
+        if self.arena is None or self.slot < 0:
+            return
+        if self.writer_side:
+            self.arena.drop_writer_ref(self.slot)
+        else:
+            self.arena.drop_reader_ref(self.slot)
+
+    def __repr__(self):
+        return "<fastmq SlotBuffer slot=%d nbytes=%d>" % (self.slot, self.nbytes)

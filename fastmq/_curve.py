@@ -1,0 +1,86 @@
+"""ZMQ CURVE for the remote (TCP) path: encryption and client authentication.
+
+Off by default (vLLM's remote readers speak plain ZMTP).  When on, the
+writer's XPUB is a CURVE server with a fresh keypair, and a ZAP handler
+admits only one client key, also fresh.  Both travel in the queue's
+``Handle`` (``remote_curve_keys``), which is handed to readers over the
+already trusted setup channel (the process group).  A peer that can merely
+reach the port has neither key: it cannot complete the handshake, so it
+can neither read the stream nor pose as the writer (the reader checks the
+server key) to feed pickles to readers.
+
+Keys are fresh per queue and live only in memory; the handle field is left
+out of ``repr`` so the debug log of the handle does not print the secret.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import zmq
+
+from fastmq import _config
+
+
+class CurveKeys(NamedTuple):
+    """What a remote reader needs (z85-encoded bytes)."""
+
+    server_public: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def wanted(flag: bool | None) -> bool:
+    """The constructor's ``remote_curve``, else ``FASTMQ_CURVE`` (default off)."""
+    if flag is None:
+        flag = _config.env_bool("FASTMQ_CURVE", False)
+    if flag and not zmq.has("curve"):
+        raise RuntimeError(
+            "fastmq: remote_curve / FASTMQ_CURVE=1 asks for CURVE encryption, but "
+            f"this libzmq ({zmq.zmq_version()}) was built without CURVE support")
+    return bool(flag)
+
+
+class _AllowOne:
+    """ZAP credentials provider: admits exactly one client public key."""
+
+    def __init__(self, client_public: bytes):
+        self._key = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self._key
+
+
+class CurveServer:
+    """The writer's side: a server keypair, the one admitted client keypair,
+    and the ZAP handler thread that enforces it (one per queue context)."""
+
+    def __init__(self, context: zmq.Context):
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self._server_public, self._server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        self.keys = CurveKeys(self._server_public, client_public, client_secret)
+        self._auth = ThreadAuthenticator(context)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=_AllowOne(client_public))
+
+    def secure(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (before bind) a CURVE server that checks clients via ZAP."""
+        sock.curve_secretkey = self._server_secret
+        sock.curve_publickey = self._server_public
+        sock.curve_server = True
+
+    def close(self, linger: int | None = None) -> None:
+        """Stop the ZAP thread (before the context is terminated: its
+        sockets would otherwise block ``term()``)."""
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def secure_client(sock: zmq.Socket, keys: CurveKeys | tuple) -> None:
+    """Make a reader's SUB (before connect) a CURVE client of the writer."""
+    server_public, client_public, client_secret = keys
+    sock.curve_serverkey = server_public
+    sock.curve_publickey = client_public
+    sock.curve_secretkey = client_secret

@@ -1,0 +1,385 @@
+"""The shared-memory tensor arena's Python surface: sizing, the
+``ShmTensorArena`` end object, and the per-process registry of attached
+arenas.  The mechanism (layout, flags, copy, descriptors, lifetimes) is in
+``fastmq._arena``; how a queue uses it is in ``fastmq.queue``.
+
+On by default for queues whose readers are all on this node; off with
+``FASTMQ_ARENA=0`` or ``MessageQueue(..., enable_shm_tensor_arena=False)``.
+Sizing, each from a keyword argument of ``MessageQueue``, else the
+environment, else the default:
+
+=====================  ============================  =========  ==========================
+keyword                environment                   default    meaning
+=====================  ============================  =========  ==========================
+``arena_slots``        ``FASTMQ_ARENA_SLOTS``        8          large buffers in flight
+``arena_slot_mb``      ``FASTMQ_ARENA_SLOT_MB``      256        largest divertible buffer
+``arena_min_mb``       ``FASTMQ_ARENA_MIN_MB``       8          smallest divertible buffer
+``arena_prefault``     ``FASTMQ_ARENA_PREFAULT``     ahead      ahead / off / all / N slots
+``arena_copy_threads`` ``FASTMQ_ARENA_COPY_THREADS`` cpu/2 <= 4 threads of one large copy
+=====================  ============================  =========  ==========================
+
+Readers adopt the writer's geometry from ``Handle.tensor_arena_handle``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from fastmq import _config, segments
+from fastmq._arena import Arena, ArenaError, SlotBuffer, is_descriptor, layout
+from fastmq._shm import Segment
+
+logger = logging.getLogger("fastmq")
+
+MiB = 1 << 20
+PAGE = 4096
+DEFAULT_SLOTS = 8
+DEFAULT_SLOT_MB = 256.0
+DEFAULT_MIN_MB = 8.0
+# A copy is split across threads only in parts of at least this size: below
+# it, creating a thread costs more than the memory bandwidth it adds.
+COPY_MIN_PART = 4 * MiB
+PREFAULT_MODES = ("ahead", "off", "all")
+
+OPTION_NAMES = ("arena_slots", "arena_slot_mb", "arena_min_mb", "arena_prefault",
+                "arena_copy_threads")
+
+
+class ShmSpaceError(RuntimeError):
+    """/dev/shm cannot hold the arena."""
+
+
+# -- sizing ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArenaSizing:
+    n_slots: int
+    slot_bytes: int
+    min_bytes: int
+    prefault: str | int
+    copy_threads: int
+
+
+def default_copy_threads() -> int:
+    """Half the CPUs this process may use, at most 4.  One thread already
+    saturates a small VM's memory bandwidth (measured: 2 threads give no
+    gain on 2 vCPUs), and the readers need cores too; a big host with
+    several memory channels needs a few threads to use them."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus // 2))
+
+
+def _int_option(options: dict, key: str, env: str, default: int, minimum: int) -> int:
+    if key in options and options[key] is not None:
+        v = options[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise ValueError(f"{key}={v!r} must be an integer of at least {minimum}")
+        return v
+    return _config.env_int(env, default, minimum=minimum)
+
+
+def _mb_option(options: dict, key: str, env: str, default: float, positive: bool) -> float:
+    if key in options and options[key] is not None:
+        v = options[key]
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+              and (v > 0 if positive else v >= 0))
+        if not ok:
+            raise ValueError(f"{key}={v!r} must be a {'positive' if positive else 'non-negative'} "
+                             "number of MiB")
+        return float(v)
+    v = _config.env_float(env, default, minimum=0.0)
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise ValueError(f"{env}={os.environ.get(env)!r} must be a "
+                         f"{'positive' if positive else 'non-negative'} finite number of MiB")
+    return v
+
+
+def _prefault_option(options: dict) -> str | int:
+    if "arena_prefault" in options and options["arena_prefault"] is not None:
+        raw, name = options["arena_prefault"], "arena_prefault"
+    else:
+        raw, name = os.environ.get("FASTMQ_ARENA_PREFAULT"), "FASTMQ_ARENA_PREFAULT"
+        if raw is None or raw.strip() == "":
+            return "ahead"
+    if isinstance(raw, bool):
+        raise ValueError(f"{name}={raw!r} must be one of {PREFAULT_MODES} or a slot count")
+    if isinstance(raw, int):
+        value: Any = raw
+    else:
+        value = str(raw).strip().lower()
+        if value not in PREFAULT_MODES:
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} must be one of {PREFAULT_MODES} or a "
+                                 "slot count") from None
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name}={raw!r} must not be negative")
+    return value
+
+
+def sizing(options: dict | None = None) -> ArenaSizing:
+    """Resolve the arena's geometry: keyword arguments, then environment,
+    then defaults.  A bad value raises ``ValueError`` naming its source; an
+    unknown keyword raises ``TypeError``."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unexpected arguments {unknown} (arena options are {list(OPTION_NAMES)})")
+    n_slots = _int_option(options, "arena_slots", "FASTMQ_ARENA_SLOTS", DEFAULT_SLOTS, 1)
+    if n_slots > 65536:
+        raise ValueError(f"arena slot count {n_slots} is above the limit of 65536")
+    slot_mb = _mb_option(options, "arena_slot_mb", "FASTMQ_ARENA_SLOT_MB", DEFAULT_SLOT_MB, True)
+    min_mb = _mb_option(options, "arena_min_mb", "FASTMQ_ARENA_MIN_MB", DEFAULT_MIN_MB, False)
+    copy_threads = _int_option(options, "arena_copy_threads", "FASTMQ_ARENA_COPY_THREADS",
+                               default_copy_threads(), 1)
+    slot_bytes = -(-int(math.ceil(slot_mb * MiB)) // PAGE) * PAGE   # whole pages
+    return ArenaSizing(n_slots=n_slots, slot_bytes=slot_bytes,
+                       min_bytes=max(1, int(min_mb * MiB)),
+                       prefault=_prefault_option(options),
+                       copy_threads=min(copy_threads, 16))
+
+
+def wanted(enable: Any) -> tuple[bool, bool]:
+    """(on, explicitly requested) from the constructor argument and
+    ``FASTMQ_ARENA``.  ``False`` or ``FASTMQ_ARENA=0`` turns it off (the
+    variable wins over ``True``: it is the operator's switch)."""
+    env_on = _config.env_bool("FASTMQ_ARENA", True)
+    raw = os.environ.get("FASTMQ_ARENA", "").strip()
+    if (enable is not None and not enable) or not env_on:
+        return False, False
+    return True, bool(enable) or raw != ""
+
+
+def _check_space(total: int, n_slots: int, slot_bytes: int) -> None:
+    what = f"the fastmq tensor arena ({n_slots} slots x {slot_bytes / MiB:g} MiB)"
+    try:
+        segments.check_shm_free_space(total, allocation_name=what)
+    except RuntimeError:
+        free = shutil.disk_usage(segments.SHM_PATH).free
+        raise ShmSpaceError(
+            f"Insufficient space in {segments.SHM_PATH} for {what}: {total / MiB:.0f} MiB "
+            f"required, {free / MiB:.0f} MiB free. Increase {segments.SHM_PATH} (e.g. "
+            "--shm-size or --ipc=host), lower FASTMQ_ARENA_SLOTS / FASTMQ_ARENA_SLOT_MB, or "
+            "turn the arena off (FASTMQ_ARENA=0).") from None
+
+
+# -- registry ------------------------------------------------------------------
+# Reader ends attached in this process, by segment name.  Weak: an entry
+# disappears with the last reference to that end (its queue and any view
+# over its slots), with no removal needed on shutdown(), which may run on a
+# different thread than an in-flight dequeue().
+_ARENAS: "weakref.WeakValueDictionary[str, ShmTensorArena]" = weakref.WeakValueDictionary()
+# Why an arena named in a handle could not be attached here (deferred: the
+# queue still works; a message that uses the arena then raises this).
+_ATTACH_ERRORS: dict[str, str] = {}
+
+
+def attached(name: str) -> "ShmTensorArena | None":
+    """The reader end of arena ``name`` attached in this process, if any."""
+    return _ARENAS.get(name)
+
+
+def attach_error(name: str) -> str | None:
+    return _ATTACH_ERRORS.get(name)
+
+
+# -- ends ------------------------------------------------------------------------
+def _close_writer(core: Arena) -> None:
+    # The name goes now (no new attach); the mapping when the last
+    # reference to the core does (the encoder, a writer-side view).
+    core.close()
+    segments.forget_segment(core.name)
+    try:
+        core.segment.unlink()
+    except OSError:
+        pass
+
+
+class ShmTensorArena:
+    """One end of a tensor arena (vLLM's ``ShmTensorArena`` surface).
+
+    ``ShmTensorArena(n_reader, slot_bytes, n_slots)`` creates one (the
+    writer); with ``name`` and ``reader_rank`` it attaches reader
+    ``reader_rank``.  The writer's ``reducer_override`` and
+    ``divert_buffer`` and the reader's ``map_oob`` and ``flush_releases``
+    are the Cython core's bound methods, called directly by the pickler and
+    the ring.
+    """
+
+    def __init__(self, n_reader: int, slot_bytes: int = int(DEFAULT_SLOT_MB * MiB),
+                 n_slots: int = DEFAULT_SLOTS, name: str | None = None, reader_rank: int = -1,
+                 *, min_bytes: int = int(DEFAULT_MIN_MB * MiB), prefault: str | int = "ahead",
+                 copy_threads: int | None = None):
+        self.n_reader = n_reader
+        self.slot_bytes = slot_bytes
+        self.n_slots = n_slots
+        self.reader_rank = reader_rank
+        if name is None:
+            if prefault not in PREFAULT_MODES and not (isinstance(prefault, int) and prefault >= 0):
+                raise ValueError(f"prefault={prefault!r} must be one of {PREFAULT_MODES} or a "
+                                 "slot count")
+            total = layout(n_reader, n_slots, slot_bytes)[3]
+            _check_space(total, n_slots, slot_bytes)
+            seg = segments.create_segment("arena", total, "the fastmq tensor arena")
+            try:
+                core = Arena.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
+                                    copy_threads or default_copy_threads(), COPY_MIN_PART,
+                                    prefault != "off")
+            except BaseException:
+                segments.forget_segment(seg.name)
+                seg.unlink()
+                seg.close()
+                raise
+            self.is_creator = True
+            self.min_bytes = core.min_bytes
+            self._finalizer = weakref.finalize(self, _close_writer, core)
+            if prefault == "all":
+                core.prefault(range(n_slots))
+            elif isinstance(prefault, int) and prefault > 0:
+                core.prefault(range(min(prefault, n_slots)))
+            self.reducer_override = core.reducer_override
+            self.divert_buffer = core.divert_buffer
+            self.commit = core.commit     # after a message is sent
+            self.abort = core.abort       # when it is not
+        else:
+            self.is_creator = False
+            core = Arena.attach(Segment.attach(name), n_reader, slot_bytes, n_slots, reader_rank)
+            self.map_oob = core.map_oob
+            self.flush_releases = core.flush_releases
+            _ARENAS[name] = self
+            _ATTACH_ERRORS.pop(name, None)
+        self.core = core
+        self.name = core.name
+
+    def handle(self) -> tuple[int, int, int, str]:
+        """What readers attach with: ``(n_reader, slot_bytes, n_slots, name)``."""
+        return (self.n_reader, self.slot_bytes, self.n_slots, self.name)
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def empty_buffer(self, nbytes: int) -> SlotBuffer | None:
+        """Writer: ``nbytes`` of writable memory inside a free slot, or None."""
+        return self.core.reserve(nbytes)
+
+    def empty_tensor(self, shape, dtype=None):
+        """Writer: an uninitialised CPU tensor inside a free slot (sending
+        it copies nothing), or None if no slot is free or it does not fit
+        one.  Do not modify it after sending it until the readers are done
+        with it: they read this very memory."""
+        import torch
+
+        if dtype is None:
+            dtype = torch.get_default_dtype()
+        size = torch.Size((shape,) if isinstance(shape, int) else shape)
+        nbytes = size.numel() * dtype.itemsize
+        buf = self.core.reserve(nbytes)
+        if buf is None:
+            return None
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(size)
+
+    def close(self) -> None:
+        """Writer: remove the segment's name and stop background work now
+        (also done when this object is collected)."""
+        if self.is_creator:
+            self._finalizer()
+        else:
+            self.core.close()
+
+    @property
+    def address(self) -> int:
+        return self.core.address
+
+    @property
+    def total_bytes(self) -> int:
+        return self.core.total_bytes
+
+    def contains(self, address: int) -> bool:
+        """True if ``address`` lies inside this process's mapping of the slots."""
+        start = self.core.data_address
+        return start <= address < start + self.slot_bytes * self.n_slots
+
+    def __repr__(self) -> str:
+        role = "writer" if self.is_creator else f"reader {self.reader_rank}"
+        return (f"<ShmTensorArena {self.name!r} {role} {self.n_slots} x "
+                f"{self.slot_bytes / MiB:g} MiB>")
+
+
+class UnattachedArena:
+    """Stand-in for an arena named in a handle that this reader could not
+    attach: the queue keeps working, and only a message that actually uses
+    the arena raises, with the original reason (vLLM defers it the same
+    way)."""
+
+    def __init__(self, name: str, error: BaseException):
+        self.name = name
+        self.error = f"{type(error).__name__}: {error}"
+        _ATTACH_ERRORS[name] = self.error
+
+    def map_oob(self, oob: list) -> list:
+        for b in oob:
+            if is_descriptor(b):
+                raise ArenaError(f"message uses tensor arena {self.name!r}, which this reader "
+                                 f"could not attach ({self.error})")
+        return oob
+
+    def flush_releases(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"arena_attached": 0}
+
+
+# -- queue integration -----------------------------------------------------------
+def create_for_queue(enable: Any, options: dict, n_local_reader: int,
+                     n_remote_reader: int) -> ShmTensorArena | None:
+    """The writer's arena for a new ``MessageQueue``, or None: off, no local
+    readers, or a remote reader (it receives pickled bytes over TCP and
+    could not map slots).  Options are validated even when the arena is off.
+    A default-on arena that /dev/shm cannot hold is skipped with a warning;
+    an explicitly requested one raises ``RuntimeError``."""
+    size = sizing(options)
+    on, explicit = wanted(enable)
+    if not on or n_local_reader == 0 or n_remote_reader > 0:
+        return None
+    try:
+        return ShmTensorArena(n_local_reader, size.slot_bytes, size.n_slots,
+                              min_bytes=size.min_bytes, prefault=size.prefault,
+                              copy_threads=size.copy_threads)
+    except (ShmSpaceError, OSError) as e:
+        if explicit:
+            raise
+        # str(e), not e: a record holding the exception would keep its
+        # frames (and through them the caller's objects) alive.
+        logger.warning("fastmq: this queue runs without a tensor arena: %s", str(e))
+        return None
+
+
+def attach_for_queue(handle: Any, reader_rank: int) -> "ShmTensorArena | UnattachedArena | None":
+    ah = getattr(handle, "tensor_arena_handle", None)
+    if ah is None:
+        return None
+    name = ah[3] if isinstance(ah, tuple) and len(ah) == 4 else repr(ah)
+    try:
+        if not (isinstance(ah, tuple) and len(ah) == 4):
+            raise ArenaError(f"tensor_arena_handle {ah!r} is not (n_reader, slot_bytes, "
+                             "n_slots, name)")
+        n_reader, slot_bytes, n_slots, name = ah
+        return ShmTensorArena(n_reader, slot_bytes, n_slots, name=name, reader_rank=reader_rank)
+    except Exception as e:
+        logger.warning("fastmq: reader %d cannot attach tensor arena %s (%s: %s); messages "
+                       "that use it will fail", reader_rank, name, type(e).__name__, str(e))
+        return UnattachedArena(name, e)
+
+
+__all__ = ["ShmTensorArena", "UnattachedArena", "ArenaError", "ShmSpaceError", "SlotBuffer",
+           "ArenaSizing", "sizing", "wanted", "attached", "attach_error", "create_for_queue",
+           "attach_for_queue", "is_descriptor"]

@@ -1,0 +1,186 @@
+"""``fastmq-bench`` / ``python -m fastmq.bench``: the command line."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+import time
+
+from fastmq.bench import config
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fastmq-bench",
+        description="Measure fastmq against vLLM 0.33.0's MessageQueue, plain pyzmq and "
+                    "the hardware floors, side by side in one run. Scenarios: step "
+                    "(executor round trip), throughput (small messages, pipelined), "
+                    "tensor (large CPU tensors, every byte read), wake (latency from "
+                    "idle, idle CPU). The defaults finish in under two minutes on 2 cores.",
+    )
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true",
+                        help="smoke run, a few seconds per scenario (CI)")
+    preset.add_argument("--full", action="store_true",
+                        help="every figure the issues ask for: N=1,2,4, payloads 100 B to "
+                             "1 MiB, tensors 16 to 256 MiB, a 5 s idle window (minutes)")
+    p.add_argument("--scenario", action="append", metavar="NAME[,NAME]",
+                   help=f"scenarios to run: {', '.join(config.SCENARIOS)} or all (default all)")
+    p.add_argument("--readers", metavar="N[,N]",
+                   help="reader counts for every scenario (default: preset's, e.g. 1,2)")
+    p.add_argument("--impl", metavar="NAME[,NAME]",
+                   help="only these implementations (see --list; default all available)")
+    p.add_argument("--sizes", metavar="SIZE[,SIZE]",
+                   help="step payload sizes, e.g. 100,1K,64K,1M")
+    p.add_argument("--tensor-sizes", metavar="SIZE[,SIZE]",
+                   help="tensor sizes, e.g. 16M,128M,256M")
+    p.add_argument("--idle-window", type=float, metavar="SECONDS",
+                   help="wake: idle-CPU window after the last message (full: 5 s)")
+    p.add_argument("--wake-gap", type=float, metavar="SECONDS",
+                   help="wake: how long readers stay parked before each message (0.1 s)")
+    p.add_argument("--json", metavar="PATH", help="write every figure and machine details")
+    p.add_argument("--raw", action="store_true", help="include every sample in the JSON")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
+    p.add_argument("--results-md", metavar="PATH",
+                   help="write a Markdown report (bench/RESULTS.md)")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="give up on any blocking operation after this long (default 60)")
+    p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
+                   help="how reader processes start (default forkserver: imports once)")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.add_argument("--list", action="store_true",
+                   help="list the implementations and whether they run here, then exit")
+    # Test only: add an implementation that loses or corrupts a message, to
+    # prove that such a run fails instead of reporting a time.
+    p.add_argument("--broken", choices=("drop", "corrupt"), help=argparse.SUPPRESS)
+    return p
+
+
+def params_from_args(args) -> tuple[config.Params, list[str]]:
+    params = config.preset("quick" if args.quick else "full" if args.full else "default")
+    scenarios: list[str] = []
+    for item in args.scenario or ["all"]:
+        for name in _csv(item):
+            if name == "all":
+                scenarios += list(config.SCENARIOS)
+            elif name in config.SCENARIOS:
+                scenarios.append(name)
+            else:
+                raise ValueError(f"unknown scenario {name!r} (choose from "
+                                 f"{', '.join(config.SCENARIOS)}, all)")
+    scenarios = [s for s in config.SCENARIOS if s in scenarios]
+    kw: dict = {}
+    if args.readers:
+        try:
+            ns = sorted({int(x) for x in _csv(args.readers)})
+        except ValueError:
+            raise ValueError(f"--readers {args.readers!r}: expected numbers like 1,2,4") from None
+        if not ns or ns[0] < 1 or ns[-1] > 32:
+            raise ValueError("--readers: each N must be in 1..32")
+        kw["readers"] = {s: ns for s in config.SCENARIOS}
+    if args.sizes:
+        sizes = sorted({config.parse_size(x) for x in _csv(args.sizes)})
+        if sizes[0] < 16:
+            raise ValueError("--sizes: payloads must be at least 16 bytes")
+        kw["step_sizes"] = sizes
+    if args.tensor_sizes:
+        sizes = sorted({config.parse_size(x) for x in _csv(args.tensor_sizes)})
+        if sizes[0] < 16 or any(s % 8 for s in sizes):
+            raise ValueError("--tensor-sizes: tensors must be at least 16 bytes, "
+                             "a multiple of 8")
+        kw["tensor_sizes"] = sizes
+    for flag, field, low in (("idle_window", "idle_window_s", 0.05),
+                             ("wake_gap", "wake_gap_s", 0.0), ("timeout", "timeout_s", 1.0)):
+        value = getattr(args, flag)
+        if value is not None:
+            if not value >= low:
+                raise ValueError(f"--{flag.replace('_', '-')} must be at least {low}")
+            kw[field] = value
+    return params.replace(**kw), scenarios
+
+
+def command_line(argv: list[str], from_module: bool) -> str:
+    prog = "python -m fastmq.bench" if from_module else "fastmq-bench"
+    return " ".join([prog] + [shlex.quote(a) for a in argv])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from_module = argv is None and sys.argv[0].endswith("__main__.py")
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        params, scenarios = params_from_args(args)
+    except ValueError as e:
+        parser.print_usage(sys.stderr)
+        print(f"fastmq-bench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    # vLLM logs at INFO to stdout on import; keep the table readable (the
+    # forkserver and readers inherit this).
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    from fastmq.bench import runner
+
+    try:
+        plan = runner.plan(scenarios, args.impl, args.broken)
+    except ValueError as e:
+        print(f"fastmq-bench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.list:
+        print(runner.describe(plan))
+        return 0
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    t0 = time.monotonic()
+    try:
+        result = runner.run(plan, params, start_method=args.start_method,
+                            progress=not args.no_progress)
+    except runner.BenchError as e:
+        print(f"fastmq-bench: FAILED: {e}", file=sys.stderr)
+        print("fastmq-bench: no figures reported: a run that cannot verify what its "
+              "readers received does not count.", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("fastmq-bench: interrupted", file=sys.stderr)
+        return 130
+    result["command"] = command_line(argv, from_module)
+    result["argv"] = list(argv)
+    result["started"] = started
+    result["duration_s"] = time.monotonic() - t0
+
+    from fastmq.bench import report
+
+    plots: list[str] = []
+    if args.plot:
+        from fastmq.bench import plots as plotting
+
+        ok, why = plotting.available()
+        if ok:
+            plots = plotting.write(result["records"], args.plot)
+        else:
+            result["notes"].append(why)
+            print(f"fastmq-bench: {why}", file=sys.stderr)
+    result["plots"] = plots
+    print(report.terminal(result))
+    if args.json:
+        report.write_json(args.json, result, raw=args.raw)
+        print(f"\nwrote {args.json}")
+    if args.results_md:
+        report.write_markdown(args.results_md, result, plots)
+        print(f"wrote {args.results_md}")
+    for p in plots:
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

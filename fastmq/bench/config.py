@@ -1,0 +1,105 @@
+"""What a benchmark run measures: the presets (``--quick``, default,
+``--full``) and the parameters every scenario and reader process reads."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+SCENARIOS = ("step", "throughput", "tensor", "wake")
+
+
+@dataclass
+class Params:
+    """Everything a run needs; picklable, sent to every reader process."""
+
+    preset: str = "default"
+    # readers per scenario (N): the runs with 1 writer and N readers.
+    readers: dict = field(default_factory=lambda: {
+        "step": [1, 2], "throughput": [1, 2], "tensor": [1, 2], "wake": [1]})
+    # step: executor round trip of one payload per size.
+    step_sizes: list = field(default_factory=lambda: [100, KiB, 64 * KiB, MiB])
+    step_warmup: int = 200          # round trips per size not counted
+    step_min: int = 200             # at least this many counted...
+    step_max: int = 5000            # ...at most this many...
+    step_budget_s: float = 0.3      # ...stopping once past this time and the minimum
+    # throughput: small messages pipelined; messages/s delivered to every reader.
+    tp_payload: int = 64
+    tp_budget_s: float = 0.5        # per repetition
+    tp_max_msgs: int = 200_000
+    tp_warmup_reps: int = 1
+    tp_reps: int = 2
+    # tensor: CPU tensor broadcast, every reader reads every byte.
+    tensor_sizes: list = field(default_factory=lambda: [16 * MiB, 128 * MiB])
+    # Warm-up covers a cycle of the ring's chunks and the arenas' slots (10
+    # and 8 by default): the counted messages are the steady state, not
+    # the first touch of fresh shared-memory pages (the first message's
+    # time is reported separately).
+    tensor_warmup: int = 10
+    tensor_reps: int = 5
+    # wake: one message after the readers went idle (parked).
+    wake_samples: int = 12
+    wake_warmup: int = 20
+    wake_gap_s: float = 0.1         # parked at least this long (after any spin phase)
+    idle_window_s: float = 2.0      # idle-CPU window after the last message
+    # every blocking operation of the harness gives up after this long.
+    timeout_s: float = 60.0
+
+    def replace(self, **kw) -> "Params":
+        return dataclasses.replace(self, **kw)
+
+
+def preset(name: str) -> Params:
+    """``quick``: a smoke run CI exercises (a few seconds per scenario);
+    ``default``: under two minutes on 2 cores; ``full``: every figure the
+    issues ask for (N = 1, 2, 4; 16 to 256 MiB; a 5 s idle window)."""
+    if name == "default":
+        return Params()
+    if name == "quick":
+        return Params(
+            preset="quick",
+            readers={"step": [1], "throughput": [1], "tensor": [1], "wake": [1]},
+            step_sizes=[KiB, MiB], step_warmup=30, step_min=50, step_max=400,
+            step_budget_s=0.05,
+            tp_budget_s=0.1, tp_max_msgs=20_000, tp_warmup_reps=0, tp_reps=1,
+            tensor_sizes=[16 * MiB], tensor_warmup=1, tensor_reps=2,
+            wake_samples=3, wake_warmup=5, idle_window_s=0.3,
+            timeout_s=30.0,
+        )
+    if name == "full":
+        return Params(
+            preset="full",
+            readers={"step": [1, 2, 4], "throughput": [1, 2, 4], "tensor": [1, 2, 4],
+                     "wake": [1, 2]},
+            step_sizes=[100, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
+            step_warmup=500, step_min=1000, step_max=20_000, step_budget_s=1.5,
+            tp_budget_s=1.0, tp_max_msgs=1_000_000, tp_warmup_reps=1, tp_reps=3,
+            tensor_sizes=[16 * MiB, 128 * MiB, 256 * MiB], tensor_warmup=12, tensor_reps=10,
+            wake_samples=40, wake_warmup=50, idle_window_s=5.0,
+            timeout_s=120.0,
+        )
+    raise ValueError(f"unknown preset {name!r}")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*$")
+
+
+def parse_size(text: str) -> int:
+    """``100``, ``1K``, ``64KiB``, ``1M``, ``256MiB`` -> bytes (binary units)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 100, 1K, 64KiB, 16M)")
+    value = float(m.group(1)) * {"": 1, "k": KiB, "m": MiB, "g": 1 << 30}[m.group(2).lower()]
+    if value != int(value) or value <= 0:
+        raise ValueError(f"not a whole positive number of bytes: {text!r}")
+    return int(value)
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"

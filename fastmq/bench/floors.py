@@ -1,0 +1,175 @@
+"""Floors: what the scenarios cost with no queue at all, measured in the
+same run as the queues.
+
+* ``floor`` in ``step``: the executor round trip over bare shared memory in
+  C (``fastmq._floor``): the writer copies the payload into a shared
+  segment and bumps a sequence word; each reader spins on it, copies the
+  payload out and answers on its own cache line.  With a 100-byte payload
+  this is the cache-line ping-pong between processes.
+* ``floor-memcpy``: one memcpy of the payload, in one process.
+* ``floor`` in ``tensor``: one memcpy into a pre-faulted shared segment plus
+  every reader reading every byte of it (an implementation in impls.py, run
+  through the same harness as the queues).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+
+from fastmq.bench.config import fmt_size
+from fastmq.bench.harness import BenchError, _on_sigterm, summarize
+from fastmq.bench.verify import pattern
+
+MEMCPY_WARMUP = 20
+MEMCPY_SAMPLES = 500
+
+
+def _floor_module():
+    try:
+        from fastmq import _floor
+    except ImportError as e:  # built with the package; a stale in-place build lacks it
+        raise BenchError("the C floor (fastmq._floor) is not built: run "
+                         "`python setup.py build_ext --inplace` or reinstall fastmq "
+                         f"({e})") from None
+    return _floor
+
+
+# How long the floor's waits spin before yielding the core between polls:
+# long enough never to yield when every process has a core, zero when they
+# do not (then a spinner would hold the core its peer needs).
+SPIN_NS = 20_000
+
+
+def floor_reader(name: str, n: int, rank: int, conn, timeout_s: float, spin_ns: int) -> None:
+    """Reader process of the step floor: runs the rounds it is told to."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    from fastmq._shm import Segment
+
+    _floor = _floor_module()
+    seg = Segment.attach(name)
+    try:
+        conn.send(("ready", os.getpid()))
+        while True:
+            cmd = conn.recv()
+            if cmd is None:
+                break
+            size, first, rounds = cmd
+            dst = np.zeros(size, dtype=np.uint8)
+            _floor.pingpong_reader(seg, n, rank, dst, first, rounds, timeout_s, spin_ns)
+            conn.send(("ok",))
+    except BaseException as e:
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except BaseException:
+            pass
+        raise SystemExit(1)
+    finally:
+        seg.close()
+
+
+def step_floor(env, n: int, params, progress) -> list[dict]:
+    """The ``floor`` rows of ``step``, one per payload size."""
+    from fastmq import segments
+    from fastmq.bench.step import record
+
+    _floor = _floor_module()
+    sizes = params.step_sizes
+    seg = segments.create_segment("bench", _floor.segment_size(n, max(sizes)),
+                                  "the benchmark's floor buffer")
+    procs, conns = [], []
+    records = []
+    spin_ns = 0 if env.oversubscribed(n) else SPIN_NS
+    try:
+        for rank in range(n):
+            r, w = env.ctx.Pipe()
+            p = env.ctx.Process(target=floor_reader, daemon=True,
+                                args=(seg.name, n, rank, w, params.timeout_s, spin_ns))
+            p.start()
+            w.close()
+            procs.append(p)
+            conns.append(r)
+        for rank, c in enumerate(conns):
+            _expect(c, rank, "ready", params.timeout_s)
+        seq = 1
+        for size in sizes:
+            progress.detail(fmt_size(size))
+            src = np.frombuffer(pattern(size), dtype=np.uint8)
+            # Warm-up rounds first; their median sizes the counted run to
+            # the same time budget the queues get.
+            warm = _rounds(_floor, seg, n, conns, src, seq, params.step_warmup, params, spin_ns)
+            seq += params.step_warmup
+            est = max(float(np.median(warm)), 1.0)
+            count = int(min(params.step_max, max(params.step_min,
+                                                 params.step_budget_s * 1e9 / est)))
+            samples = _rounds(_floor, seg, n, conns, src, seq, count, params, spin_ns)
+            seq += count
+            records.append(record("floor", n, size, samples.tolist(), params.step_warmup,
+                                  env.oversubscribed(n)))
+        for c in conns:
+            c.send(None)
+        for rank, p in enumerate(procs):
+            p.join(params.timeout_s)
+            if p.is_alive() or p.exitcode != 0:
+                raise BenchError(f"floor (step, N={n}): reader {rank} did not exit cleanly "
+                                 f"(exit code {p.exitcode})")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in conns:
+            c.close()
+        segments.forget_segment(seg.name)
+        seg.unlink()
+        seg.close()
+    return records
+
+
+def _rounds(_floor, seg, n, conns, src, first, count, params, spin_ns):
+    for c in conns:
+        c.send((src.size, first, count))
+    out = np.zeros(count, dtype=np.int64)
+    try:
+        _floor.pingpong_writer(seg, n, src, first, out, params.timeout_s, spin_ns)
+    except TimeoutError as e:
+        errors = [c.recv()[1] for c in conns if c.poll(0.5)]
+        raise BenchError(f"floor (step, N={n}): {errors[0] if errors else e}") from None
+    for rank, c in enumerate(conns):
+        _expect(c, rank, "ok", params.timeout_s)
+    return out
+
+
+def _expect(conn, rank: int, what: str, timeout: float) -> None:
+    if not conn.poll(timeout):
+        raise BenchError(f"floor: reader {rank} silent for {timeout:.0f} s")
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise BenchError(f"floor: reader {rank} exited") from None
+    if msg[0] != what:
+        raise BenchError(f"floor: reader {rank}: {msg[1] if len(msg) > 1 else msg}")
+
+
+def memcpy_floor(sizes: list[int]) -> list[dict]:
+    """``floor-memcpy``: one memcpy of each payload size (n_readers 0: no
+    reader involved)."""
+    _floor = _floor_module()
+    records = []
+    for size in sizes:
+        src = np.frombuffer(pattern(size), dtype=np.uint8)
+        dst = np.zeros(size, dtype=np.uint8)
+        out = np.zeros(MEMCPY_WARMUP + MEMCPY_SAMPLES, dtype=np.int64)
+        _floor.time_memcpy(dst, src, out)
+        if dst.tobytes() != pattern(size):
+            raise BenchError("floor-memcpy: the copy differs from its source")
+        samples = out[MEMCPY_WARMUP:].tolist()
+        records.append({"scenario": "step", "impl": "floor-memcpy", "n_readers": 0,
+                        "size_bytes": size, "unit": "us", "warmup": MEMCPY_WARMUP,
+                        "oversubscribed": False, **summarize(samples, 1e3),
+                        "samples_ns": samples})
+    return records

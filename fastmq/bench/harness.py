@@ -1,0 +1,366 @@
+"""Reader processes and the writer's side of one measured run.
+
+The rules that keep a figure honest live here:
+
+* readers are forked from a clean forkserver that has imported torch, fastmq
+  (and vLLM when it is measured) once, so starting a reader costs
+  milliseconds and no reader inherits the writer's sockets or segments;
+* writer and readers finish the implementation's own handshake before
+  anything is timed; warm-up rounds are never counted;
+* every blocking call has a timeout, and a reader that fails (including a
+  verification failure: a lost, stale or corrupted message) answers with an
+  error instead of an acknowledgement, so the run stops with that reader's
+  message instead of reporting a time;
+* every reader is stopped through the queue itself and joined with a
+  timeout; one that does not exit fails the run.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import multiprocessing.forkserver
+import os
+import signal
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot report a figure (a reader failed or hung)."""
+
+
+# ---------------------------------------------------------------------------
+# processes
+
+class Env:
+    """The multiprocessing context readers are started from."""
+
+    def __init__(self, start_method: str = "forkserver", preload: list[str] | None = None,
+                 timeout_s: float = 60.0):
+        self.ctx = mp.get_context(start_method)
+        self.start_method = start_method
+        self.timeout_s = timeout_s
+        self.usable_cpus = len(os.sched_getaffinity(0))
+        if start_method == "forkserver":
+            self.ctx.set_forkserver_preload(preload or [])
+            # Start it now: it imports the preloads while the main process
+            # imports its own (in parallel on two cores).
+            multiprocessing.forkserver.ensure_running()
+
+    def oversubscribed(self, n_readers: int) -> bool:
+        """More busy processes (1 writer + N readers) than usable cores."""
+        return n_readers + 1 > self.usable_cpus
+
+
+def _describe(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return text
+
+
+def _on_sigterm(signum, frame):
+    # Turn SIGTERM into an exception so a reader that is stopped early still
+    # runs its cleanup (its answer queue's segment and ipc files).
+    raise SystemExit(143)
+
+
+def reader_main(impl, spec, rank: int, scenario: str, params, conn) -> None:
+    """Entry point of reader process ``rank``: attach, run the scenario's
+    ``reader_loop``, report through ``conn``."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    end = None
+    failed = False
+    try:
+        end = impl.open_reader(spec, rank)
+        conn.send(("ready", end.ack_spec, os.getpid()))
+        end.ready()
+        loop = importlib.import_module(f"fastmq.bench.{scenario}").reader_loop
+        result = loop(end, rank, params)
+        conn.send(("done", result))
+    except BaseException as e:  # report everything, then exit non-zero
+        failed = True
+        text = _describe(e)
+        if end is not None:
+            try:  # wake the writer waiting for this reader's answer
+                end.reply(("error", rank, text), 1.0)
+            except BaseException:
+                pass
+        try:
+            conn.send(("error", text, traceback.format_exc()))
+        except BaseException:
+            pass
+    finally:
+        # Cleanup (this reader's answer queue: segment, ipc files) must not
+        # be cut short by the writer stopping readers.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if end is not None:
+            end.close()
+        conn.close()
+    if failed:
+        raise SystemExit(1)
+
+
+def receive(recv, timeout: float, expect: int):
+    """``recv(timeout)``, naming the message that did not come."""
+    try:
+        return recv(timeout)
+    except TimeoutError:
+        from fastmq.bench.verify import VerifyError
+
+        raise VerifyError(f"message {expect} never arrived (waited {timeout:.0f} s): lost, "
+                          "or the writer stalled") from None
+
+
+class ReaderGroup:
+    """One writer (this process) and ``n`` reader processes of ``impl``
+    running ``scenario``.  Use as a context manager; ``send``/``ack`` map
+    every failure to ``BenchError`` naming the implementation and reader."""
+
+    def __init__(self, env: Env, impl, n: int, scenario: str, params, capacity: int = 0):
+        self.env = env
+        self.impl = impl
+        self.n = n
+        self.scenario = scenario
+        self.params = params
+        self.capacity = capacity
+        self.timeout = params.timeout_s
+        self.writer = None
+        self.procs: list = []
+        self.conns: list = []
+        self.pids: list[int] = []
+        self.results: list = [None] * n
+        self._errors: dict[int, str] = {}
+
+    @property
+    def where(self) -> str:
+        return f"{self.impl.name} ({self.scenario}, N={self.n})"
+
+    # -- lifecycle ------------------------------------------------------------
+    def __enter__(self) -> "ReaderGroup":
+        try:
+            self._start()
+        except BenchError:
+            self._abort()
+            raise
+        except Exception as e:
+            self._abort()
+            raise BenchError(f"{self.where}: setting up failed: {_describe(e)}") from e
+        except BaseException:
+            self._abort()
+            raise
+        return self
+
+    def _start(self) -> None:
+        ctx = self.env.ctx
+        self.writer = self.impl.make_writer(self.n, self.capacity)
+        for rank in range(self.n):
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=reader_main, daemon=True,
+                            name=f"fastmq-bench-{self.impl.name}-{rank}",
+                            args=(self.impl, self.writer.spec, rank, self.scenario,
+                                  self.params, w))
+            p.start()
+            w.close()
+            self.procs.append(p)
+            self.conns.append(r)
+        specs = []
+        for rank in range(self.n):
+            msg = self._control(rank, "start")
+            if msg[0] != "ready":
+                raise BenchError(f"{self.where}: reader {rank} sent {msg[0]!r} at start")
+            specs.append(msg[1])
+            self.pids.append(msg[2])
+        self.writer.attach_acks(specs)
+        with deadline(self.timeout, f"{self.where}: handshake with the readers"):
+            self.writer.ready()
+
+    def _control(self, rank: int, what: str):
+        """Next message from reader ``rank``'s control pipe; a reader that
+        exits or stays silent for the timeout fails the run."""
+        conn, proc = self.conns[rank], self.procs[rank]
+        end = time.monotonic() + self.timeout
+        while True:
+            if conn.poll(0.05):
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    raise BenchError(f"{self.where}: reader {rank} exited (code "
+                                     f"{proc.exitcode}) during {what}") from None
+                if msg[0] == "error":
+                    self._errors[rank] = msg[1]
+                    raise BenchError(f"{self.where}: reader {rank} failed during {what}: "
+                                     f"{msg[1]}")
+                return msg
+            if not proc.is_alive() and not conn.poll(0):
+                raise BenchError(f"{self.where}: reader {rank} exited (code "
+                                 f"{proc.exitcode}) during {what}")
+            if time.monotonic() > end:
+                raise BenchError(f"{self.where}: reader {rank} silent for "
+                                 f"{self.timeout:.0f} s during {what}")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._abort()
+            return
+        try:
+            self.send(None)  # the stop message, through the queue itself
+            for rank in range(self.n):
+                msg = self._control(rank, "stop")
+                if msg[0] != "done":
+                    raise BenchError(f"{self.where}: reader {rank} sent {msg[0]!r} at stop")
+                self.results[rank] = msg[1]
+            for rank, p in enumerate(self.procs):
+                p.join(self.timeout)
+                if p.is_alive():
+                    raise BenchError(f"{self.where}: reader {rank} (pid {p.pid}) did not "
+                                     f"exit within {self.timeout:.0f} s")
+                if p.exitcode != 0:
+                    raise BenchError(f"{self.where}: reader {rank} exited with code "
+                                     f"{p.exitcode}")
+        finally:
+            self._abort()
+
+    def _abort(self) -> None:
+        """Stop whatever still runs (SIGTERM first, so readers clean up),
+        join every reader, close the writer."""
+        # A reader that failed is exiting on its own: let it finish cleaning up.
+        end = time.monotonic() + 2.0
+        for p in self.procs:
+            p.join(max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self.conns:
+            c.close()
+        self.conns = []
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.close()
+
+    # -- the measured operations ---------------------------------------------
+    def send(self, obj) -> None:
+        try:
+            self.writer.send(obj, self.timeout)
+        except BenchError:
+            raise
+        except Exception as e:
+            raise self.failure(f"sending failed: {_describe(e)}") from e
+
+    def ack(self, rank: int):
+        try:
+            a = self.writer.ack(rank, self.timeout)
+        except BenchError:
+            raise
+        except Exception as e:
+            raise self.failure(f"no answer from reader {rank} within {self.timeout:.0f} s "
+                               f"(a lost message, or a stalled reader): {_describe(e)}") from e
+        if type(a) is tuple and a and a[0] == "error":
+            self._errors[a[1]] = a[2]
+            raise BenchError(f"{self.where}: reader {a[1]} failed: {a[2]}")
+        return a
+
+    def failure(self, what: str) -> BenchError:
+        """A BenchError that prefers what a failed reader said about it."""
+        deadline_ = time.monotonic() + 1.0
+        while time.monotonic() < deadline_ and not self._errors:
+            for rank, conn in enumerate(self.conns):
+                try:
+                    if conn.poll(0.02):
+                        msg = conn.recv()
+                        if msg[0] == "error":
+                            self._errors[rank] = msg[1]
+                except (EOFError, OSError):
+                    pass
+        if self._errors:
+            rank, text = next(iter(self._errors.items()))
+            return BenchError(f"{self.where}: reader {rank} failed: {text}")
+        return BenchError(f"{self.where}: {what}")
+
+    def bad_ack(self, rank: int, got, expected) -> BenchError:
+        return BenchError(f"{self.where}: reader {rank} answered {got!r}, expected {expected!r}")
+
+
+# ---------------------------------------------------------------------------
+# a deadline for calls that take no timeout (the queues' handshakes)
+
+_active: dict = {}
+
+
+def _on_deadline(signum, frame):
+    what = _active.get("what")
+    if what is not None and _active.get("fired"):
+        _active.clear()
+        raise BenchError(what)
+
+
+@contextmanager
+def deadline(seconds: float, what: str):
+    """Raise ``BenchError`` in the main thread if the block takes longer than
+    ``seconds``: a watcher thread signals the main thread, which interrupts
+    a blocking socket call (pyzmq and the ring waits check for signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGUSR1, _on_deadline)
+    done = threading.Event()
+    _active.update(what=f"{what}: no progress within {seconds:.0f} s", fired=False)
+    main = threading.main_thread().ident
+
+    def watch():
+        if not done.wait(seconds):
+            _active["fired"] = True
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        _active.clear()
+        done.set()
+        t.join()
+
+
+# ---------------------------------------------------------------------------
+# samples
+
+def sample_loop(one, warmup: int, minimum: int, maximum: int, budget_s: float) -> list[int]:
+    """Run ``one()`` ``warmup`` times (discarded), then collect its results
+    until ``maximum``, or past ``budget_s`` once ``minimum`` are in."""
+    for _ in range(warmup):
+        one()
+    out: list[int] = []
+    end = time.perf_counter() + budget_s
+    while len(out) < maximum:
+        out.append(one())
+        if len(out) >= minimum and time.perf_counter() >= end:
+            break
+    return out
+
+
+def percentile(sorted_values: list, p: float):
+    """Nearest-rank percentile of an ascending list."""
+    if not sorted_values:
+        raise ValueError("no samples")
+    k = max(0, min(len(sorted_values) - 1, -(-len(sorted_values) * p // 100) - 1))
+    return sorted_values[int(k)]
+
+
+def summarize(values: list, scale: float = 1.0) -> dict:
+    """p50/p90/p99/mean/min/max of ``values`` divided by ``scale``."""
+    v = sorted(values)
+    return {
+        "samples": len(v),
+        "p50": percentile(v, 50) / scale,
+        "p90": percentile(v, 90) / scale,
+        "p99": percentile(v, 99) / scale,
+        "mean": sum(v) / len(v) / scale,
+        "min": v[0] / scale,
+        "max": v[-1] / scale,
+    }

@@ -1,0 +1,477 @@
+"""The implementations measured side by side, behind one small interface.
+
+Every implementation has a writer end (in the benchmark's main process)
+and a reader end (one per reader process):
+
+    writer = impl.make_writer(n_readers, capacity)   # capacity: largest tensor
+    reader = impl.open_reader(writer.spec, rank)     # in reader process ``rank``
+    writer.attach_acks([reader.ack_spec, ...])       # each reader answers on its own 1:1 channel
+    writer.ready(); reader.ready()                   # collective handshake
+    writer.send(obj, timeout); reader.recv(timeout)  # the broadcast
+    reader.reply(obj, timeout); writer.ack(rank, timeout)
+
+Families:
+
+* ``fastmq``: ``fastmq.MessageQueue`` with a given wait mode and the tensor
+  arena on or off; answers on a ``MessageQueue(1, 1)`` per reader.
+* ``vllm``: vLLM 0.33.0's ``MessageQueue`` (arena on or off), when importable.
+* ``pyzmq``: plain pyzmq, XPUB/SUB for the broadcast (the same pickle-5
+  frames as the queues, large buffers as separate zero-copy frames) and
+  PUSH/PULL for the answers, over ipc.
+* ``floor``: for tensors, one memcpy into a pre-faulted shared segment that
+  readers view in place, signalled by a small fastmq message: one copy plus
+  the readers' reads.  (The step floor is a C ping-pong, see floors.py.)
+
+``broken-drop`` / ``broken-corrupt`` are fastmq with a deliberate fault
+(selected only by the hidden ``--broken`` option): the run must fail.
+"""
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import pickle
+import secrets
+import tempfile
+from dataclasses import dataclass
+
+# Message (1-based, counting from the first one sent) that a broken
+# implementation loses or corrupts: early, inside the warm-up, so the run
+# fails fast.
+BROKEN_AT = 3
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    family: str                 # fastmq | vllm | pyzmq | floor
+    description: str
+    wait_mode: str | None = None
+    arena: bool | None = None
+    broken: str | None = None   # drop | corrupt (test-only)
+
+    # -- properties used by the scenarios -----------------------------------
+    @property
+    def spin_s(self) -> float | None:
+        """How long an idle reader spins before it parks (None: never parks)."""
+        if self.family == "fastmq" or self.family == "floor":
+            if self.wait_mode == "spin":
+                return None
+            from fastmq import _config
+
+            return _config.spin_us(None) / 1e6
+        if self.family == "vllm":
+            from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+            return float(inspect.signature(SpinCondition.__init__)
+                         .parameters["busy_loop_s"].default)
+        return 0.0
+
+    # -- ends ------------------------------------------------------------------
+    def make_writer(self, n_readers: int, capacity: int = 0):
+        if self.family == "fastmq":
+            cls = _BrokenWriter if self.broken else _QueueWriter
+            return cls(self, _fastmq_mq(), n_readers, self._fastmq_kwargs(self.arena))
+        if self.family == "vllm":
+            return _QueueWriter(self, _vllm_mq(), n_readers,
+                                {"enable_shm_tensor_arena": bool(self.arena)})
+        if self.family == "pyzmq":
+            return _ZmqWriter(n_readers)
+        if self.family == "floor":
+            return _FloorWriter(self, n_readers, capacity)
+        raise ValueError(f"unknown implementation family {self.family!r}")
+
+    def open_reader(self, spec, rank: int):
+        if self.family == "fastmq":
+            return _QueueReader(_fastmq_mq(), spec, rank, self._fastmq_kwargs(False))
+        if self.family == "vllm":
+            return _QueueReader(_vllm_mq(), spec, rank, {})
+        if self.family == "pyzmq":
+            return _ZmqReader(spec, rank)
+        if self.family == "floor":
+            return _FloorReader(spec, rank)
+        raise ValueError(f"unknown implementation family {self.family!r}")
+
+    def _fastmq_kwargs(self, arena: bool | None) -> dict:
+        # The arena is switched explicitly (on by default in fastmq for
+        # local-only queues): the 1:1 answer queues never carry tensors.
+        return {"wait_mode": self.wait_mode or "futex",
+                "enable_shm_tensor_arena": bool(arena)}
+
+
+def _fastmq_mq():
+    from fastmq import MessageQueue
+
+    return MessageQueue
+
+
+def _vllm_mq():
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    return MessageQueue
+
+
+# The registry: what each name means.  Scenarios pick from it.
+IMPLS: dict[str, Impl] = {i.name: i for i in [
+    Impl("fastmq-futex", "fastmq", "fastmq, readers spin briefly then park on a futex",
+         wait_mode="futex", arena=False),
+    Impl("fastmq-zmq", "fastmq", "fastmq, readers spin briefly then park on a ZMQ socket",
+         wait_mode="zmq", arena=False),
+    Impl("fastmq-spin", "fastmq", "fastmq, readers spin (never park)",
+         wait_mode="spin", arena=False),
+    Impl("fastmq-futex+arena", "fastmq", "fastmq (futex) with the shared-memory tensor arena",
+         wait_mode="futex", arena=True),
+    Impl("vllm", "vllm", "vLLM 0.33.0 MessageQueue (its default: no tensor arena)",
+         arena=False),
+    Impl("vllm+arena", "vllm", "vLLM 0.33.0 MessageQueue with enable_shm_tensor_arena=True",
+         arena=True),
+    Impl("pyzmq", "pyzmq", "plain pyzmq: XPUB/SUB broadcast, PUSH/PULL answers, ipc"),
+    Impl("floor", "floor", "floor: bare shared memory, no queue (see the notes)"),
+]}
+
+BROKEN = {
+    "drop": Impl("broken-drop", "fastmq", "TEST ONLY: fastmq that loses a message",
+                 wait_mode="futex", arena=False, broken="drop"),
+    "corrupt": Impl("broken-corrupt", "fastmq", "TEST ONLY: fastmq that corrupts a message",
+                    wait_mode="futex", arena=False, broken="corrupt"),
+}
+
+
+def availability(impl: Impl) -> tuple[bool, str]:
+    """(usable here, why not)."""
+    if impl.family == "vllm":
+        try:
+            _vllm_mq()
+        except Exception as e:  # ImportError, or vLLM failing at import time
+            return False, f"vLLM is not importable here ({type(e).__name__}: {e})"
+        return True, ""
+    if impl.wait_mode == "futex":
+        from fastmq._ring import have_futex
+
+        if not have_futex():
+            return False, "no futex support on this system"
+    return True, ""
+
+
+# ---------------------------------------------------------------------------
+# MessageQueue (fastmq and vLLM share the surface)
+
+class _QueueWriter:
+    def __init__(self, impl: Impl, mq_cls, n_readers: int, kwargs: dict):
+        self.impl = impl
+        self._cls = mq_cls
+        self._mq = mq_cls(n_readers, n_readers, **kwargs)
+        self.spec = self._mq.export_handle()
+        # Whether the queue really has a tensor arena (fastmq builds without
+        # one ignore the switch).
+        self.arena_active = getattr(self._mq, "tensor_arena", None) is not None
+        self._acks: list = []
+
+    def attach_acks(self, specs: list) -> None:
+        self._acks = [self._cls.create_from_handle(h, 0) for h in specs]
+
+    def ready(self) -> None:
+        self._mq.wait_until_ready()
+        for a in self._acks:
+            a.wait_until_ready()
+
+    def send(self, obj, timeout: float) -> None:
+        self._mq.enqueue(obj, timeout=timeout)
+
+    def ack(self, rank: int, timeout: float):
+        return self._acks[rank].dequeue(timeout=timeout)
+
+    def close(self) -> None:
+        for q in [self._mq, *self._acks]:
+            try:
+                q.shutdown()
+            except Exception:
+                pass
+        # Both implementations release (and, as creator, unlink) their
+        # segments and sockets when the queue objects are collected.
+        self._mq = None
+        self._acks = []
+        gc.collect()
+
+
+class _QueueReader:
+    def __init__(self, mq_cls, spec, rank: int, ack_kwargs: dict):
+        self._mq = mq_cls.create_from_handle(spec, rank)
+        self._resp = mq_cls(1, 1, **ack_kwargs)
+        self.ack_spec = self._resp.export_handle()
+
+    def ready(self) -> None:
+        self._mq.wait_until_ready()
+        self._resp.wait_until_ready()
+
+    def recv(self, timeout: float):
+        return self._mq.dequeue(timeout=timeout)
+
+    def reply(self, obj, timeout: float) -> None:
+        self._resp.enqueue(obj, timeout=timeout)
+
+    def close(self) -> None:
+        for q in (self._mq, self._resp):
+            try:
+                q.shutdown()
+            except Exception:
+                pass
+        self._mq = self._resp = None
+        gc.collect()
+
+
+class _BrokenWriter(_QueueWriter):
+    """fastmq with a deliberate fault at message ``BROKEN_AT``."""
+
+    _count = 0
+
+    def send(self, obj, timeout: float) -> None:
+        if obj is not None:  # the stop message always goes through
+            self._count += 1
+            if self._count == BROKEN_AT:
+                if self.impl.broken == "drop":
+                    return  # lost, silently
+                obj = _corrupt(obj)
+        super().send(obj, timeout)
+
+
+def _corrupt(msg):
+    """The same message with one byte (or the number) wrong."""
+    msg = list(msg)
+    for i, part in enumerate(msg):
+        if isinstance(part, (bytes, bytearray)) and len(part) > 16:
+            b = bytearray(part)
+            b[len(b) // 2] ^= 0xFF
+            msg[i] = bytes(b)
+            return tuple(msg)
+        if hasattr(part, "element_size"):  # torch.Tensor
+            t = part.clone()
+            t.view(-1)[t.numel() // 2] += 1
+            msg[i] = t
+            return tuple(msg)
+    msg[1] += 1
+    return tuple(msg)
+
+
+# ---------------------------------------------------------------------------
+# plain pyzmq
+
+def _ipc_path() -> tuple[str, str]:
+    # Named like fastmq's own ipc files so the test suite's leftover check
+    # covers them too.
+    path = os.path.join(tempfile.gettempdir(),
+                        f"fastmq_bench_{os.getpid()}_{secrets.token_hex(6)}.ipc")
+    return f"ipc://{path}", path
+
+
+class _ZmqWriter:
+    def __init__(self, n_readers: int):
+        import zmq
+
+        from fastmq import segments
+        from fastmq._serde import Encoder
+
+        self._zmq = zmq
+        self._n = n_readers
+        self._encoder = Encoder()
+        self._ctx = zmq.Context()
+        self._paths: list[str] = []
+        self._pulls: list = []
+        try:
+            self._pub = self._ctx.socket(zmq.XPUB)
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            # No high-water mark: PUB drops messages past it, and a dropped
+            # message fails the run (the throughput scenario sends faster
+            # than readers take).
+            self._pub.setsockopt(zmq.SNDHWM, 0)
+            pub_addr, path = _ipc_path()
+            self._paths.append(path)
+            self._pub.bind(pub_addr)
+            pull_addrs = []
+            for _ in range(n_readers):
+                s = self._ctx.socket(zmq.PULL)
+                self._pulls.append(s)
+                addr, path = _ipc_path()
+                self._paths.append(path)
+                s.bind(addr)
+                pull_addrs.append(addr)
+        except BaseException:
+            self.close()
+            raise
+        segments.remove_at_exit(self._paths)
+        self.spec = (pub_addr, pull_addrs)
+
+    def attach_acks(self, specs: list) -> None:
+        pass  # the PULL sockets are bound already
+
+    def ready(self) -> None:
+        # One subscription message per reader: after that nothing published
+        # can be missed (the slow-joiner problem).
+        for _ in range(self._n):
+            self._pub.recv()
+
+    def send(self, obj, timeout: float) -> None:
+        # copy=False: pyzmq still copies frames under its copy threshold
+        # (64 KiB) and sends big buffers zero-copy.
+        self._pub.send_multipart(self._encoder.encode(obj), copy=False)
+
+    def ack(self, rank: int, timeout: float):
+        s = self._pulls[rank]
+        if not s.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no answer from reader {rank} within {timeout} s")
+        return pickle.loads(s.recv())
+
+    def close(self) -> None:
+        from fastmq import segments
+
+        for s in [getattr(self, "_pub", None), *self._pulls]:
+            if s is not None:
+                s.close(linger=0)
+        self._ctx.term()
+        segments.remove_now(self._paths)
+
+
+class _ZmqReader:
+    def __init__(self, spec, rank: int):
+        import zmq
+
+        from fastmq._serde import decode
+
+        self._zmq = zmq
+        self._decode = decode
+        pub_addr, pull_addrs = spec
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(pub_addr)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.connect(pull_addrs[rank])
+        self._timeout_ms = None
+        self.ack_spec = None
+
+    def ready(self) -> None:
+        pass
+
+    def recv(self, timeout: float):
+        ms = int(timeout * 1000)
+        if ms != self._timeout_ms:  # a blocking recv with a timeout: one call
+            self._sub.setsockopt(self._zmq.RCVTIMEO, ms)
+            self._timeout_ms = ms
+        try:
+            main, *oob = self._sub.recv_multipart(copy=False)
+        except self._zmq.Again:
+            raise TimeoutError(f"no message within {timeout} s") from None
+        return self._decode(main, oob)
+
+    def reply(self, obj, timeout: float) -> None:
+        self._push.send(pickle.dumps(obj, protocol=5))
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        self._push.close(linger=0)
+        self._ctx.term()
+
+
+# ---------------------------------------------------------------------------
+# floor: one memcpy + the readers' reads
+
+class _FloorRef(tuple):
+    """Stands for the tensor copied into the floor segment: (nbytes, dtype, shape)."""
+
+
+class _FloorWriter:
+    def __init__(self, impl: Impl, n_readers: int, capacity: int):
+        import numpy as np
+
+        from fastmq import segments
+
+        if capacity <= 0:
+            raise ValueError("the floor needs the largest tensor size (capacity)")
+        self._seg = segments.create_segment("bench", capacity, "the benchmark's floor buffer")
+        try:
+            self._view = np.frombuffer(self._seg, dtype=np.uint8)
+            # Pre-fault every page now: the floor is the copy, not tmpfs
+            # allocating pages in the middle of it.
+            self._view.fill(0)
+            self._q = _QueueWriter(impl, _fastmq_mq(), n_readers,
+                                   {"wait_mode": "futex", "enable_shm_tensor_arena": False})
+        except BaseException:
+            self._view = None
+            self._release()
+            raise
+        self.spec = (self._q.spec, self._seg.name)
+        self.arena_active = False
+
+    def attach_acks(self, specs: list) -> None:
+        self._q.attach_acks(specs)
+
+    def ready(self) -> None:
+        self._q.ready()
+
+    def send(self, obj, timeout: float) -> None:
+        import numpy as np
+        import torch
+
+        if isinstance(obj, tuple):
+            parts = list(obj)
+            for i, part in enumerate(parts):
+                if hasattr(part, "element_size"):  # torch.Tensor: the one copy
+                    src = part.reshape(-1).view(torch.uint8).numpy()
+                    if src.size > self._view.size:
+                        raise ValueError(f"tensor of {src.size} bytes exceeds the floor "
+                                         f"segment ({self._view.size} bytes)")
+                    np.copyto(self._view[:src.size], src)
+                    parts[i] = _FloorRef((src.size, str(part.dtype)[6:], tuple(part.shape)))
+            obj = tuple(parts)
+        self._q.send(obj, timeout)
+
+    def ack(self, rank: int, timeout: float):
+        return self._q.ack(rank, timeout)
+
+    def close(self) -> None:
+        self._q.close()
+        self._view = None
+        self._release()
+
+    def _release(self) -> None:
+        from fastmq import segments
+
+        segments.forget_segment(self._seg.name)
+        self._seg.unlink()
+        self._seg.close()
+
+
+class _FloorReader:
+    def __init__(self, spec, rank: int):
+        from fastmq._shm import Segment
+
+        q_spec, name = spec
+        self._seg = Segment.attach(name)
+        self._q = _QueueReader(_fastmq_mq(), q_spec, rank,
+                               {"wait_mode": "futex", "enable_shm_tensor_arena": False})
+        self.ack_spec = self._q.ack_spec
+
+    def ready(self) -> None:
+        self._q.ready()
+
+    def recv(self, timeout: float):
+        obj = self._q.recv(timeout)
+        if isinstance(obj, tuple):
+            obj = tuple(self._view(p) if isinstance(p, _FloorRef) else p for p in obj)
+        return obj
+
+    def _view(self, ref):
+        import torch
+
+        nbytes, dtype, shape = ref
+        # Zero copy: the tensor is the shared segment itself.
+        raw = torch.frombuffer(self._seg, dtype=torch.uint8, count=nbytes)
+        return raw.view(getattr(torch, dtype)).view(shape)
+
+    def reply(self, obj, timeout: float) -> None:
+        self._q.reply(obj, timeout)
+
+    def close(self) -> None:
+        self._q.close()
+        self._seg.close()

@@ -1,0 +1,145 @@
+"""One benchmark run: which implementations run in which scenario, the
+reader-process environment, the scenarios in order, and the result
+(records, ratios, targets, notes, machine details)."""
+from __future__ import annotations
+
+import importlib
+import time
+
+from fastmq.bench import impls as impls_mod
+from fastmq.bench.config import SCENARIOS
+from fastmq.bench.harness import BenchError, Env
+from fastmq.bench.machine import loadavg, machine, versions
+from fastmq.bench.progress import Progress
+
+__all__ = ["BenchError", "plan", "describe", "run"]
+
+# What the forkserver imports once, so that each reader starts in
+# milliseconds instead of importing torch (and vLLM) again.
+_PRELOAD = ["numpy", "zmq", "torch", "fastmq", "fastmq.bench.harness", "fastmq.bench.impls",
+            "fastmq.bench.floors"] + [f"fastmq.bench.{s}" for s in SCENARIOS]
+_VLLM_PRELOAD = ["vllm.distributed.device_communicators.shm_broadcast"]
+
+
+def _scenario(name: str):
+    return importlib.import_module(f"fastmq.bench.{name}")
+
+
+def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
+    """``{scenario: [Impl, ...]}`` in report order."""
+    wanted = None
+    if only:
+        wanted = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in impls_mod.IMPLS]
+        if unknown:
+            raise ValueError(f"unknown implementation(s) {', '.join(unknown)}; choose from "
+                             f"{', '.join(impls_mod.IMPLS)}")
+    out = {}
+    for s in scenarios:
+        names = [n for n in _scenario(s).IMPLS if wanted is None or n in wanted]
+        chosen = [impls_mod.IMPLS[n] for n in names]
+        if broken:
+            chosen.insert(0, impls_mod.BROKEN[broken])
+        if chosen:
+            out[s] = chosen
+    if not out:
+        raise ValueError("nothing to run: no selected implementation takes part in the "
+                         "selected scenarios")
+    return out
+
+
+def describe(plan_: dict) -> str:
+    lines = ["implementations (name: what it is; scenarios; available here):"]
+    for impl in impls_mod.IMPLS.values():
+        where = [s for s, lst in plan_.items() if impl in lst]
+        ok, why = impls_mod.availability(impl)
+        lines.append(f"  {impl.name:20s} {impl.description}; "
+                     f"{', '.join(where) or 'not selected'}; {'yes' if ok else 'no: ' + why}")
+    return "\n".join(lines)
+
+
+def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = True) -> dict:
+    load_start = loadavg()
+    selected = {i.name: i for lst in plan_.values() for i in lst}
+    with_vllm = any(i.family == "vllm" for i in selected.values())
+    env = Env(start_method, _PRELOAD + (_VLLM_PRELOAD if with_vllm else []),
+              params.timeout_s)
+    notes: list[str] = []
+    available = {}
+    for name, impl in selected.items():
+        ok, why = impls_mod.availability(impl)  # imports vLLM here, once
+        available[name] = {"available": ok, "reason": why, "description": impl.description}
+        if not ok:
+            notes.append(f"{name} not measured: {why}.")
+    if with_vllm and not any(v["available"] for n, v in available.items()
+                             if selected[n].family == "vllm"):
+        notes.append("No vLLM figures, so no ratios against vLLM.")
+    plan_ = {s: [i for i in lst if available[i.name]["available"]] for s, lst in plan_.items()}
+    plan_ = {s: lst for s, lst in plan_.items() if lst}
+
+    prog = Progress(sum(_scenario(s).groups(lst, params) for s, lst in plan_.items())
+                    + (1 if "step" in plan_ else 0), enabled=progress)
+    records: list[dict] = []
+    seconds = {}
+    try:
+        for s, lst in plan_.items():
+            t0 = time.monotonic()
+            records += _scenario(s).run(env, lst, params, prog)
+            seconds[s] = round(time.monotonic() - t0, 1)
+    finally:
+        prog.clear()
+
+    from fastmq.bench import report
+
+    report.annotate(records)
+    load_end = loadavg()
+    notes += _notes(records, params, env, load_start, load_end)
+    cfg = {k: v for k, v in vars(params).items()}
+    cfg["scenarios"] = list(plan_)
+    cfg["implementations"] = {s: [i.name for i in lst] for s, lst in plan_.items()}
+    cfg["start_method"] = start_method
+    m = machine()
+    m["loadavg_start"], m["loadavg_end"] = load_start, load_end
+    return {
+        "schema": "fastmq-bench/1",
+        "machine": m,
+        "versions": versions(with_vllm and any(
+            v["available"] for n, v in available.items() if selected[n].family == "vllm")),
+        "config": cfg,
+        "implementations": available,
+        "notes": notes,
+        "scenario_seconds": seconds,
+        "targets": report.targets(records),
+        "records": records,
+    }
+
+
+def _notes(records, params, env, load_start, load_end) -> list[str]:
+    notes = []
+    cpus = env.usable_cpus
+    over = sorted({r["n_readers"] for r in records if r.get("oversubscribed")})
+    if over:
+        notes.append(
+            f"This machine has {cpus} usable cores: runs marked * (N = "
+            f"{', '.join(map(str, over))}) have more busy processes (1 writer + N readers) "
+            f"than cores, so their figures include waiting for a core. N=1 (TP=1) is the "
+            f"clean figure.")
+    busy = [la[0] for la in (load_start, load_end) if la]
+    if busy and max(busy) > 0.5 * cpus:
+        notes.append(
+            f"The machine was busy (1-minute load average {load_start and load_start[0]} at "
+            f"the start, {load_end and load_end[0]} at the end, {cpus} cores): other work "
+            "competed for the cores, so these are not final figures.")
+    if params.preset == "quick":
+        notes.append("--quick is a smoke run: too few samples for figures to quote.")
+    fake_arena = sorted({r["impl"] for r in records
+                         if r["impl"].startswith("fastmq") and r["impl"].endswith("+arena")
+                         and r.get("arena_active") is False})
+    if fake_arena:
+        notes.append(f"{', '.join(fake_arena)} ran without a tensor arena: this fastmq build "
+                     "has none (enable_shm_tensor_arena had no effect), so it measures the "
+                     "same path as fastmq-futex.")
+    notes.append("Ratios: vs vLLM = vLLM's time / this time (rates: this / vLLM's), so "
+                 "above 1x is faster than vLLM. Warm-up rounds are excluded; every reader "
+                 "verifies every message (number and content) and the run fails otherwise.")
+    return notes

@@ -1,0 +1,132 @@
+"""``wake``: one message after the readers have gone idle, and what idle
+readers cost.
+
+Latency: the writer sleeps until every reader has parked and stayed
+parked for ``wake_gap_s`` (so the sleep is the implementation's spin phase
+plus the gap: 2 ms + 0.1 s for fastmq, 1 s + 0.1 s for vLLM, whose readers
+spin for a second after each read; fastmq's ``spin`` mode never parks),
+stamps ``CLOCK_MONOTONIC`` and sends ``("wake", seq, t0)``; each reader
+reads the same clock as soon as ``dequeue`` returns and answers with the
+difference: the one-way latency (same machine, same clock).
+
+Idle CPU: after the last message, the CPU time (utime + stime from
+``/proc/<pid>/stat``) each reader uses over ``idle_window_s``, as a
+percentage of one core.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from fastmq.bench.harness import ReaderGroup, receive, summarize
+from fastmq.bench.verify import VerifyError, expect_seq
+
+NAME = "wake"
+IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq")
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _now() -> int:
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def groups(impls, params) -> int:
+    return len(impls) * len(params.readers[NAME])
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of process ``pid`` (all its threads), in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        data = f.read()
+    # Fields after the command name, which may contain spaces: state is
+    # field 3, utime 14 and stime 15.
+    fields = data[data.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_ns(pid: int) -> int | None:
+    """Nanoseconds on CPU of ``pid``'s live threads (schedstat), finer than
+    clock ticks; None where the kernel does not provide it."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def run(env, impls, params, progress) -> list[dict]:
+    records = []
+    for n in params.readers[NAME]:
+        for impl in impls:
+            progress.start(f"wake  {impl.name}  N={n}")
+            spin = impl.spin_s
+            idle = (spin or 0.0) + params.wake_gap_s
+            with ReaderGroup(env, impl, n, NAME, params) as g:
+                seq = 0
+
+                def one() -> list[int]:
+                    nonlocal seq
+                    seq += 1
+                    t0 = _now()
+                    g.send(("wake", seq, t0))
+                    acks = [g.ack(r) for r in range(n)]
+                    for r, a in enumerate(acks):
+                        if type(a) is not tuple or a[:3] != ("ok", seq, r) or len(a) != 4:
+                            raise g.bad_ack(r, a, ("ok", seq, r, "<latency>"))
+                    return [a[3] for a in acks]
+
+                for _ in range(params.wake_warmup):
+                    one()
+                latencies: list[int] = []
+                for i in range(params.wake_samples):
+                    progress.detail(f"sample {i + 1}/{params.wake_samples}")
+                    time.sleep(idle)
+                    latencies += one()
+                progress.detail(f"idle CPU over {params.idle_window_s:g} s")
+                ticks0 = [cpu_ticks(p) for p in g.pids]
+                ns0 = [cpu_ns(p) for p in g.pids]
+                t_a = time.monotonic()
+                time.sleep(params.idle_window_s)
+                ticks1 = [cpu_ticks(p) for p in g.pids]
+                ns1 = [cpu_ns(p) for p in g.pids]
+                window = time.monotonic() - t_a
+            pct = [(b - a) / _CLK_TCK / window * 100 for a, b in zip(ticks0, ticks1)]
+            pct_fine = (None if None in ns0 + ns1 else
+                        [(b - a) / 1e9 / window * 100 for a, b in zip(ns0, ns1)])
+            records.append({
+                "scenario": NAME, "impl": impl.name, "n_readers": n, "size_bytes": None,
+                "unit": "us", "warmup": params.wake_warmup,
+                "oversubscribed": env.oversubscribed(n),
+                "spin_s": spin, "idle_before_s": idle,
+                **summarize(latencies, 1e3), "samples_ns": latencies,
+                "cpu_window_s": window,
+                "cpu_pct": sum(pct) / len(pct), "cpu_pct_max": max(pct),
+                "cpu_pct_schedstat": (sum(pct_fine) / len(pct_fine)
+                                      if pct_fine is not None else None),
+            })
+    return records
+
+
+def reader_loop(end, rank: int, params):
+    recv, reply = end.recv, end.reply
+    # Readers sit idle through the gaps and the idle-CPU window by design.
+    timeout = max(params.timeout_s, params.idle_window_s + params.wake_gap_s + 5.0)
+    expect = 1
+    while True:
+        m = receive(recv, timeout, expect)
+        t1 = _now()
+        if m is None:
+            return {"received": expect - 1}
+        if type(m) is not tuple or len(m) != 3 or m[0] != "wake":
+            raise VerifyError(f"expected a wake message, received {type(m).__name__}")
+        expect_seq(expect, m[1])
+        one_way = t1 - m[2]
+        if one_way <= 0:
+            raise VerifyError(f"message {m[1]}: received before it was sent "
+                              f"({one_way} ns): not the message that was sent")
+        reply(("ok", m[1], rank, one_way), timeout)
+        expect += 1

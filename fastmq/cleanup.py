@@ -1,0 +1,163 @@
+"""Remove what crashed fastmq processes left behind.
+
+A process killed with SIGKILL (or by the OOM killer) cannot unlink its
+shared-memory segments or its ipc socket files; tmpfs keeps the segments'
+pages until someone does.  fastmq names everything it creates after its
+creator:
+
+* ``/dev/shm/fastmq_<pid>_<kind>_<hex>``: segments (``fastmq.segments``);
+* ``<tmp>/fastmq_<pid>_<hex>.ipc``: ipc sockets (``fastmq._net``);
+* ``<tmp>/fastmq_<pid>_<random>.bind``: the private directory an ipc socket
+  is bound in for an instant before it is renamed to its public name.
+
+``cleanup()`` removes those whose creator is dead and never one of a live
+queue:
+
+* a ring segment's header holds its creator's pid *and start time*, so a
+  pid reused by an unrelated process does not keep a dead queue's ring
+  alive, and a live queue's ring is recognised by the same pair;
+* other files carry only the pid in their name: they are kept while any
+  process has that pid (at worst a leftover survives until that process
+  exits; a live file is never removed);
+* an ipc file whose pid looks dead is also kept while something still
+  accepts connections on it (a creator in another pid namespace).
+
+Run it in the pid namespace of the processes that use the queues (as with
+``ipcrm``): from another namespace, every creator looks dead.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import socket
+import struct
+import tempfile
+
+from fastmq import _proc
+from fastmq._net import IPC_PREFIX
+from fastmq._ring import LAYOUT_VERSION, MAGIC
+from fastmq.segments import SEGMENT_PREFIX, SHM_PATH
+
+logger = logging.getLogger("fastmq")
+
+_SEGMENT = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+$")
+_IPC = re.compile(rf"^{IPC_PREFIX}(\d+)_[0-9a-f]+\.ipc$")
+_BIND_DIR = re.compile(rf"^{IPC_PREFIX}(\d+)_\w+\.bind$")
+
+# Ring header fields, as laid out by fastmq/_ring.pyx (H_MAGIC, H_VERSION,
+# H_WRITER_PID, H_WRITER_START); tests check this against a live ring.
+_RING_HEAD = struct.Struct("<QI")          # magic u64 @0, version u32 @8
+_RING_PID = struct.Struct("<I")            # @72
+_RING_START = struct.Struct("<Q")          # @80
+_RING_HEAD_BYTES = 88
+
+
+def ring_creator(path: str) -> tuple[int, int] | None:
+    """(pid, start time) from the header of the ring segment at ``path``,
+    or None when the file is not a complete fastmq ring."""
+    with open(path, "rb") as f:
+        head = f.read(_RING_HEAD_BYTES)
+    if len(head) < _RING_HEAD_BYTES:
+        return None
+    magic, version = _RING_HEAD.unpack_from(head, 0)
+    if magic != MAGIC or version != LAYOUT_VERSION:
+        return None
+    return _RING_PID.unpack_from(head, 72)[0], _RING_START.unpack_from(head, 80)[0]
+
+
+def _segment_alive(path: str, name_pid: int) -> bool:
+    creator = ring_creator(path)
+    if creator is None:
+        return _proc.is_alive(name_pid)
+    pid, started = creator
+    # The header pid is the creator's (Ring.create runs in the process that
+    # named the segment); a disagreeing name keeps the file if it is alive.
+    return _proc.is_alive(pid, started) or (pid != name_pid and _proc.is_alive(name_pid))
+
+
+def _listening(path: str) -> bool:
+    """Whether something accepts connections on the unix socket ``path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+    except OSError as e:
+        # Refused: nobody listens.  Anything else (permission, timeout) is
+        # not proof of death.
+        return e.errno != errno.ECONNREFUSED
+    finally:
+        s.close()
+    return True
+
+
+def _ipc_dir() -> str:
+    return tempfile.gettempdir()   # where fastmq._net puts them
+
+
+def _candidates():
+    """(path, kind, is_alive) for every fastmq file on this host."""
+    try:
+        names = sorted(os.listdir(SHM_PATH))
+    except OSError:
+        names = []
+    for name in names:
+        m = _SEGMENT.match(name)
+        if m:
+            path = os.path.join(SHM_PATH, name)
+            yield path, "segment", lambda p=path, pid=int(m[1]): _segment_alive(p, pid)
+    ipc_dir = _ipc_dir()
+    try:
+        names = sorted(os.listdir(ipc_dir))
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(ipc_dir, name)
+        m = _IPC.match(name)
+        if m:
+            yield path, "ipc", lambda p=path, pid=int(m[1]): (
+                _proc.is_alive(pid) or _listening(p))
+            continue
+        m = _BIND_DIR.match(name)
+        if m:
+            yield path, "bind", lambda pid=int(m[1]): _proc.is_alive(pid)
+
+
+def _remove(path: str, kind: str) -> None:
+    if kind != "bind":
+        os.unlink(path)
+        return
+    # Only the staged socket "s" ever lives there; leave anything else.
+    try:
+        os.unlink(os.path.join(path, "s"))
+    except FileNotFoundError:
+        pass
+    os.rmdir(path)
+
+
+def cleanup(dry_run: bool = False) -> list[str]:
+    """Remove fastmq segments and ipc files whose creating process is dead.
+
+    Returns the paths removed (with ``dry_run``, those that would be).  A
+    file that cannot be inspected or removed (another user's, or gone
+    meanwhile) is skipped and logged, never guessed about.
+    """
+    removed = []
+    for path, kind, alive in _candidates():
+        try:
+            if alive():
+                continue
+            if not dry_run:
+                _remove(path, kind)
+        except FileNotFoundError:
+            continue  # removed by its owner or another cleanup meanwhile
+        except OSError as e:
+            logger.warning("fastmq cleanup: skipping %s: %s", path, e)
+            continue
+        logger.info("fastmq cleanup: %s %s", "would remove" if dry_run else "removed", path)
+        removed.append(path)
+    return removed
+
+
+__all__ = ["cleanup", "ring_creator"]

@@ -1,0 +1,83 @@
+"""Child-process bodies and deterministic messages for test_arena.
+
+Message ``i`` is a pure function of ``i``: every reader rebuilds what it
+should have received and compares bytes."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+MiB = 1 << 20
+
+
+def make_message(i: int):
+    g = torch.Generator().manual_seed(i)
+    return {
+        "i": i,
+        "f32": torch.randn(512, 1024, generator=g),                             # 2 MiB
+        "bf16": torch.randn(1024, 1024, generator=g).to(torch.bfloat16),        # 2 MiB
+        "np": np.random.default_rng(i).standard_normal(300_000),                # 2.3 MiB
+        "param": torch.nn.Parameter(torch.full((1 << 19,), float(i)), requires_grad=i % 2 == 0),
+        "small": torch.arange(i + 3),
+    }
+
+
+ARENA_KEYS = ("f32", "bf16", "np", "param")
+
+
+def _addr(x) -> int:
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data_ptr()
+
+
+def check_message(msg, i: int, arena) -> list[str]:
+    """What is wrong with ``msg`` as message ``i`` (empty if nothing)."""
+    want = make_message(i)
+    errors = []
+    if msg["i"] != i:
+        errors.append(f"message {i}: got index {msg['i']}")
+    for k in ("f32", "bf16", "small"):
+        if not (msg[k].dtype == want[k].dtype and torch.equal(msg[k], want[k])):
+            errors.append(f"message {i}: {k} differs")
+    if not np.array_equal(msg["np"], want["np"]):
+        errors.append(f"message {i}: np differs")
+    p = msg["param"]
+    if type(p) is not torch.nn.Parameter or p.requires_grad != want["param"].requires_grad \
+            or not torch.equal(p.data, want["param"].data):
+        errors.append(f"message {i}: param differs ({type(p).__name__})")
+    for k in ARENA_KEYS:
+        if not arena.contains(_addr(msg[k])):
+            errors.append(f"message {i}: {k} is not a view of the arena")
+    return errors
+
+
+def reader_main(handle, rank: int, n_msgs: int, handles_q) -> None:
+    """Read ``n_msgs`` messages, keep message 0 alive until told, ack each
+    message on a response queue after dropping it, then report."""
+    from fastmq import MessageQueue, arena
+
+    r = MessageQueue.create_from_handle(handle, rank)
+    resp = MessageQueue(1, 1, enable_shm_tensor_arena=False)
+    handles_q.put((rank, resp.export_handle()))
+    r.wait_until_ready()
+    resp.wait_until_ready()
+    ar = arena.attached(handle.tensor_arena_handle[3])
+    errors: list[str] = []
+    held = None
+    for i in range(n_msgs):
+        msg = r.dequeue(timeout=60)
+        errors += check_message(msg, i, ar)
+        if i == 0:
+            held = msg
+        del msg
+        resp.enqueue(("ack", rank, i))
+    # The in-place message (written by the writer inside a slot).
+    msg = r.dequeue(timeout=60)
+    if not (ar.contains(msg.data_ptr()) and torch.equal(msg, torch.full((1 << 18,), 7.0))):
+        errors.append("empty_tensor message wrong or not zero-copy")
+    del msg
+    resp.enqueue(("ack", rank, "inplace"))
+    errors += [f"held {e}" for e in check_message(held, 0, ar)]
+    assert r.dequeue(timeout=60) == "drop"
+    del held
+    resp.enqueue(("done", rank, errors, r.stats()))
+    assert r.dequeue(timeout=60) == "bye"

@@ -1,0 +1,669 @@
+"""The shared-memory tensor arena: content, zero copy, slot lifetimes,
+fallbacks, CUDA pinning logic (fake runtime), sizing, and end to end through
+``MessageQueue`` with reader processes."""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import struct
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import _arena_children as ac
+from fastmq import MessageQueue, _arena, _cuda
+from fastmq import arena as A
+
+MiB = 1 << 20
+
+
+def _pair(n_local=1, slots=4, slot_mb=4, min_mb=1, **kw):
+    """A writer with an arena and ``n_local`` in-process readers, handshaken."""
+    w = MessageQueue(n_local, n_local, arena_slots=slots, arena_slot_mb=slot_mb,
+                     arena_min_mb=min_mb, **kw)
+    assert w.tensor_arena is not None
+    h = pickle.loads(pickle.dumps(w.export_handle()))
+    rs = [MessageQueue.create_from_handle(h, r) for r in range(n_local)]
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    for r in rs:
+        r.wait_until_ready()
+    t.join(10)
+    return w, rs
+
+
+def _core(q):
+    return q.tensor_arena.core
+
+
+def _held_by(w, slot):
+    """Readers that still hold ``slot`` (published and not released)."""
+    _, written, done = _core(w).slot_state(slot)
+    return [r for r, d in enumerate(done) if written and not d]
+
+
+def _addr(x):
+    return x.ctypes.data if isinstance(x, np.ndarray) else x.data_ptr()
+
+
+def _blocks(q):
+    """Bytes of /dev/shm actually allocated to the queue's arena segment."""
+    return os.stat(os.path.join("/dev/shm", q.tensor_arena.name)).st_blocks * 512
+
+
+# -- content and zero copy ------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                                   torch.int64, torch.float16, torch.complex64])
+def test_tensor_round_trip_is_byte_exact_and_zero_copy(dtype):
+    w, (r,) = _pair()
+    g = torch.Generator().manual_seed(1)
+    numel = 3 * MiB // dtype.itemsize                   # 3 MiB whatever the dtype
+    src = torch.randn(numel, generator=g).to(dtype) if dtype != torch.int64 else \
+        torch.randint(-2**62, 2**62, (numel,), generator=g, dtype=torch.int64)
+    src = src.reshape(-1, 8)
+    w.enqueue({"t": src, "tag": "x"})
+    got = r.dequeue(timeout=10)["t"]
+    assert got.dtype == dtype and got.shape == src.shape
+    assert got.view(torch.uint8).reshape(-1).numpy().tobytes() == \
+        src.view(torch.uint8).reshape(-1).numpy().tobytes()
+    # Zero copy: the reader's tensor lies inside the reader's own mapping of
+    # the arena, not in memory the transport copied.
+    assert r.tensor_arena.contains(got.data_ptr())
+    assert not w.tensor_arena.contains(got.data_ptr())   # another mapping
+    st = w.stats()
+    assert st["arena_hits"] == 1 and st["arena_bytes"] == src.nbytes
+    assert st["ring_messages"] == 1 and st["ring_bytes"] < 1024   # only a descriptor travelled
+    assert r.stats()["arena_views"] == 1
+
+
+def test_reader_sees_the_same_memory():
+    w, (r1, r2) = _pair(2)
+    w.enqueue(torch.zeros(MiB // 4))
+    a, b = r1.dequeue(timeout=10), r2.dequeue(timeout=10)
+    a[5] = 42.0                 # a reader writes through its view ...
+    assert b[5].item() == 42.0  # ... and the other reader sees it: one copy for both
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_numpy_arrays_use_the_arena(order):
+    w, (r,) = _pair()
+    src = np.asarray(np.random.default_rng(3).standard_normal((600, 300)), order=order)
+    w.enqueue([src, np.arange(10)])
+    got, small = r.dequeue(timeout=10)
+    assert np.array_equal(got, src) and got.dtype == src.dtype
+    assert got.flags.f_contiguous == (order == "F") and got.flags.writeable
+    assert r.tensor_arena.contains(got.ctypes.data)
+    assert np.array_equal(small, np.arange(10))
+    assert w.stats()["arena_hits"] == 1
+
+
+def test_raw_pickle_buffers_use_the_arena():
+    w, (r,) = _pair()
+    data = bytes(range(256)) * (3 * 4096)     # 3 MiB
+    w.enqueue({"rw": pickle.PickleBuffer(bytearray(data)), "ro": pickle.PickleBuffer(data)})
+    got = r.dequeue(timeout=10)
+    for k in ("rw", "ro"):
+        mv = memoryview(got[k])
+        assert mv.tobytes() == data
+        assert r.tensor_arena.contains(np.frombuffer(got[k], np.uint8).ctypes.data)
+    assert memoryview(got["ro"]).readonly and not memoryview(got["rw"]).readonly
+    assert w.stats()["arena_hits"] == 2
+
+
+def test_parameter_keeps_its_type_and_its_slot():
+    w, (r,) = _pair()
+    p = torch.nn.Parameter(torch.randn(MiB // 2), requires_grad=True)
+    q = torch.nn.Parameter(torch.randn(MiB // 2), requires_grad=False)
+    w.enqueue((p, q))
+    gp, gq = r.dequeue(timeout=10)
+    assert type(gp) is torch.nn.Parameter and gp.requires_grad
+    assert type(gq) is torch.nn.Parameter and not gq.requires_grad
+    assert torch.equal(gp.detach(), p.detach()) and torch.equal(gq, q)
+    assert r.tensor_arena.contains(gp.data_ptr()) and r.tensor_arena.contains(gq.data_ptr())
+    slot = (gp.data_ptr() - _core(r).data_address) // _core(r).slot_bytes
+    assert _held_by(w, slot) == [0]
+    del gp
+    assert _held_by(w, slot) == []        # the Parameter was the last user of that slot
+    assert w.stats()["arena_hits"] == 2
+
+
+def test_overflow_path_maps_descriptors_too():
+    # A 1 MiB ring: the declined (non-contiguous) 2 MiB tensor forces the
+    # socket path, next to a diverted one.
+    w, (r,) = _pair(max_chunk_bytes=1 * MiB, max_chunks=2)
+    big = torch.randn(1024, 1024)
+    nc = torch.randn(1024, 512).t()
+    w.enqueue((big, nc))
+    gb, gn = r.dequeue(timeout=10)
+    assert torch.equal(gb, big) and torch.equal(gn, nc)
+    assert r.tensor_arena.contains(gb.data_ptr()) and not r.tensor_arena.contains(gn.data_ptr())
+    st = w.stats()
+    assert st["overflow_messages"] == 1 and st["arena_hits"] == 1
+    assert st["arena_fallback_declined"] == 1
+
+
+# -- slot lifecycle ---------------------------------------------------------------
+def test_no_reuse_until_every_reader_released():
+    w, (r1, r2) = _pair(2, slots=1)
+    w.enqueue(torch.full((MiB // 4,), 1.0))
+    a, b = r1.dequeue(timeout=10), r2.dequeue(timeout=10)
+    del a
+    assert _held_by(w, 0) == [1]
+    w.enqueue(torch.full((MiB // 4,), 2.0))          # reader 1 still holds the slot
+    a2, b2 = r1.dequeue(timeout=10), r2.dequeue(timeout=10)
+    assert not r1.tensor_arena.contains(a2.data_ptr())
+    assert w.stats()["arena_fallback_exhausted"] == 1
+    assert torch.all(b == 1.0)                        # never overwritten
+    del b
+    assert _held_by(w, 0) == [] and _core(w).free_slots() == [0]
+    w.enqueue(torch.full((MiB // 4,), 3.0))
+    a3, b3 = r1.dequeue(timeout=10), r2.dequeue(timeout=10)
+    assert r1.tensor_arena.contains(a3.data_ptr()) and torch.all(b3 == 3.0)
+    assert w.stats()["arena_hits"] == 2
+
+
+def test_release_only_after_the_last_view_dies():
+    w, (r,) = _pair()
+    w.enqueue(torch.arange(MiB // 4, dtype=torch.float32))
+    t = r.dequeue(timeout=10)
+    view = t[10:20]
+    arr = t.numpy()[100:]
+    wrapped = torch.nn.Parameter(t[::2], requires_grad=False)
+    del t
+    assert _held_by(w, 0) == [0] and _core(r).reader_refs(0) == 1
+    del view
+    assert _held_by(w, 0) == [0]
+    del wrapped
+    assert _held_by(w, 0) == [0]
+    assert arr[0] == 100.0
+    del arr
+    assert _held_by(w, 0) == []
+    assert r.stats()["arena_released"] == 1
+
+
+def test_view_held_across_20_messages_stays_intact():
+    w, (r,) = _pair(slots=8, slot_mb=1, min_mb=0.25)
+    n = MiB // 8 // 2                                   # 0.5 MiB of float64
+
+    def msg(i):
+        return torch.full((n,), float(i), dtype=torch.float64)
+
+    w.enqueue(msg(0))
+    first = r.dequeue(timeout=10)
+    kept = []
+    for i in range(1, 21):
+        w.enqueue(msg(i))
+        kept.append(r.dequeue(timeout=10))             # the reader keeps every one
+    # Slots 1..7 went to messages 1..7; the remaining 13 fell back.
+    st = w.stats()
+    assert st["arena_hits"] == 8 and st["arena_fallback_exhausted"] == 13
+    assert torch.all(first == 0.0)
+    for i, t in enumerate(kept, 1):
+        assert torch.all(t == float(i)) and r.tensor_arena.contains(t.data_ptr()) == (i < 8)
+    # Now drop each message right away: traffic reuses slots 1..7, never 0.
+    del kept
+    for i in range(21, 41):
+        w.enqueue(msg(i))
+        t = r.dequeue(timeout=10)
+        assert torch.all(t == float(i)) and r.tensor_arena.contains(t.data_ptr())
+        assert t.data_ptr() - _core(r).data_address >= _core(r).slot_bytes
+        del t
+    assert torch.all(first == 0.0) and _held_by(w, 0) == [0]
+
+
+def test_failed_message_gives_its_slots_back():
+    w, (r,) = _pair(max_chunks=1)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        w.enqueue([torch.ones(MiB // 2), lambda: None])   # pickling fails after the copy
+    assert _core(w).free_slots() == [0, 1, 2, 3]
+    w.enqueue(torch.ones(MiB // 2))                      # fills the only ring chunk
+    with pytest.raises(TimeoutError):
+        w.enqueue(torch.ones(MiB // 2), timeout=0.05)     # copied, never published
+    assert _core(w).free_slots() == [1, 2, 3]
+    assert torch.all(r.dequeue(timeout=10) == 1.0)
+    w.enqueue(torch.full((MiB // 2,), 5.0))
+    got = r.dequeue(timeout=10)
+    assert torch.all(got == 5.0) and r.tensor_arena.contains(got.data_ptr())
+
+
+# -- fallbacks ----------------------------------------------------------------------
+class MyTensor(torch.Tensor):
+    pass
+
+
+def test_fallbacks_are_counted_by_reason(caplog):
+    w, (r,) = _pair(slots=1, slot_mb=2, min_mb=1)
+    n = MiB // 4                                         # 1 MiB of float32
+    declined = [
+        torch.randn(2 * n).reshape(-1, 2).t(),            # non-contiguous
+        torch.randn(n, requires_grad=True),
+        torch.randn(n // 2, dtype=torch.complex64).conj(),
+        torch._neg_view(torch.randn(n)),
+        torch.randn(n).as_subclass(MyTensor),
+    ]
+    for t in declined:
+        w.enqueue(t)
+        got = r.dequeue(timeout=10)
+        assert type(got) is type(t) and got.requires_grad == t.requires_grad
+        assert torch.equal(got.detach().resolve_conj().resolve_neg(),
+                           t.detach().resolve_conj().resolve_neg())
+        assert not r.tensor_arena.contains(got.data_ptr())
+    st = w.stats()
+    assert st["arena_fallback_declined"] == len(declined) and st["arena_hits"] == 0
+    with caplog.at_level(logging.WARNING, logger="fastmq"):
+        for _ in range(2):
+            w.enqueue(torch.randn(n * 3))                # 3 MiB > 2 MiB slot
+            assert r.dequeue(timeout=10).shape == (n * 3,)
+        w.enqueue(torch.randn(n // 4))                   # under the 1 MiB threshold
+        r.dequeue(timeout=10)
+        w.enqueue(torch.randn(n))
+        held = r.dequeue(timeout=10)                      # holds the only slot
+        for _ in range(2):
+            w.enqueue(torch.randn(n))
+            assert not r.tensor_arena.contains(r.dequeue(timeout=10).data_ptr())
+    st = w.stats()
+    assert (st["arena_fallback_oversize"], st["arena_fallback_small"],
+            st["arena_fallback_exhausted"], st["arena_hits"]) == (2, 1, 2, 1)
+    logs = [rec.getMessage() for rec in caplog.records if rec.name == "fastmq"]
+    oversize = [m for m in logs if "does not fit" in m]
+    exhausted = [m for m in logs if "no free slot" in m]
+    assert len(oversize) == 1 and f"{3 * MiB}-byte" in oversize[0] and f"{2 * MiB}-byte" in oversize[0]
+    assert len(exhausted) == 1 and f"{MiB}-byte" in exhausted[0]
+    assert r.tensor_arena.contains(held.data_ptr())
+
+
+# -- writer-side allocation ---------------------------------------------------------
+def test_empty_tensor_is_sent_without_a_copy():
+    w, (r1, r2) = _pair(2, slots=2)
+    t = w.empty_tensor((256, 1024), torch.float32)
+    assert w.tensor_arena.contains(t.data_ptr())
+    t.copy_(torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024))
+    w.enqueue({"x": t, "half": t[128:]})
+    st = w.stats()
+    assert st["arena_inplace"] == 2 and st["arena_hits"] == 1 and st["arena_empty_tensors"] == 1
+    a, b = r1.dequeue(timeout=10), r2.dequeue(timeout=10)
+    for got in (a, b):
+        assert torch.equal(got["x"], t) and torch.equal(got["half"], t[128:])
+    assert a["half"].data_ptr() == a["x"].data_ptr() + 128 * 1024 * 4   # same slot, offset
+    assert _core(r1).reader_refs(0) == 2
+    # Sent again while readers still hold it: it is copied into another slot.
+    w.enqueue(t)
+    c = r1.dequeue(timeout=10)
+    r2.dequeue(timeout=10)
+    assert torch.equal(c, t) and c.data_ptr() != a["x"].data_ptr()
+    assert w.stats()["arena_hits"] == 2
+    # No slot free: an ordinary tensor.
+    del t
+    u = w.empty_tensor((256, 1024))
+    assert not w.tensor_arena.contains(u.data_ptr()) and u.shape == (256, 1024)
+    assert w.stats()["arena_empty_misses"] == 1
+    assert MessageQueue(1, 1, enable_shm_tensor_arena=False).empty_tensor(3).shape == (3,)
+
+
+def test_empty_tensor_slot_returns_to_rotation_when_dropped():
+    w, (r,) = _pair(slots=1)
+    t = w.empty_tensor(MiB // 4)
+    assert _core(w).free_slots() == []
+    del t
+    assert _core(w).free_slots() == [0]
+
+
+# -- validation of what comes from shared memory --------------------------------------
+def _descriptor(core, slot=0, offset=0, nbytes=16, epoch=1, token=None):
+    return struct.pack("<QQIIQQQ", _arena.DESC_MAGIC, core.token if token is None else token,
+                       slot, 0, offset, nbytes, epoch)
+
+
+def test_bogus_descriptors_raise_clear_errors():
+    w, (r,) = _pair(slots=2, slot_mb=1)
+    wc, rc = _core(w), _core(r)
+    desc = wc.divert_buffer(pickle.PickleBuffer(bytearray(MiB)))
+    wc.commit()
+    ok = rc.map_oob([desc])[0]
+    assert ok.nbytes == MiB and rc.reader_refs(0) == 1
+    bad = {
+        "another arena": _descriptor(rc, token=rc.token ^ 1),
+        "names slot": _descriptor(rc, slot=7),
+        "overruns": _descriptor(rc, offset=MiB - 8, nbytes=16),
+        "overruns ": _descriptor(rc, offset=2**63, nbytes=2**63),
+        "stale": _descriptor(rc, slot=0, epoch=5),
+        "stale ": _descriptor(rc, slot=1, epoch=1),       # never published
+    }
+    for what, d in bad.items():
+        with pytest.raises(A.ArenaError, match=what.strip()):
+            rc.map_oob([bytearray(d)])
+    del ok
+    assert rc.reader_refs(0) == 0
+    # A descriptor is replayed after its slot was handed back and refilled.
+    desc2 = wc.divert_buffer(pickle.PickleBuffer(bytearray(MiB)))
+    wc.commit()
+    with pytest.raises(A.ArenaError, match="stale"):
+        rc.map_oob([desc])
+    assert rc.map_oob([desc2])[0].nbytes == MiB
+    # Through the queue: a forged descriptor raises in dequeue, the queue goes on.
+    stream = pickle.dumps(pickle.PickleBuffer(b"x" * 64), protocol=5,
+                          buffer_callback=lambda b: False)
+    w._ring.send([stream, _descriptor(rc, slot=1, nbytes=2**40)])
+    with pytest.raises(A.ArenaError, match="overruns"):
+        r.dequeue(timeout=10)
+    w.enqueue(torch.ones(MiB // 4))
+    assert torch.all(r.dequeue(timeout=10) == 1.0)
+
+
+def test_attach_failure_is_deferred():
+    w = MessageQueue(1, 1, arena_slots=2, arena_slot_mb=1, arena_min_mb=1)
+    h = replace(w.export_handle(),
+                tensor_arena_handle=(1, MiB, 2, "fastmq_0_arena_doesnotexist"))
+    r = MessageQueue.create_from_handle(h, 0)            # does not raise
+    assert r.stats()["arena_attached"] == 0
+    assert "FileNotFoundError" in A.attach_error("fastmq_0_arena_doesnotexist")
+    w.enqueue({"small": 1})
+    assert r.dequeue(timeout=10) == {"small": 1}
+    w.enqueue(torch.ones(MiB // 4))                      # 1 MiB: diverted
+    with pytest.raises(A.ArenaError, match="could not attach"):
+        r.dequeue(timeout=10)
+    # A mismatched geometry is refused the same way, naming what differs.
+    h2 = replace(w.export_handle(),
+                 tensor_arena_handle=(1, 2 * MiB, 2, w.tensor_arena.name))
+    r2 = MessageQueue.create_from_handle(h2, 0)
+    assert "does not match its handle" in A.attach_error(w.tensor_arena.name)
+    del r2
+
+
+def test_registry_is_weak_and_survives_shutdown():
+    w, (r,) = _pair()
+    name = w.tensor_arena.name
+    assert A.attached(name) is r.tensor_arena
+    w.enqueue(torch.full((MiB // 4,), 9.0))
+    t = r.dequeue(timeout=10)
+    r.shutdown()
+    assert A.attached(name) is r.tensor_arena
+    del r
+    import gc
+    gc.collect()
+    assert A.attached(name) is None                     # only the view is left ...
+    assert torch.all(t == 9.0)                          # ... and its memory is still mapped
+    del t
+    assert _core(w).free_slots() == [0, 1, 2, 3]
+
+
+# -- CUDA pinning and event-gated release (fake runtime) ---------------------------------
+class FakeEvent:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+class FakeCuda:
+    """The four calls of fastmq._cuda's runtime, recording what happens."""
+
+    def __init__(self, rc=0):
+        self.rc = rc
+        self.registered: list = []
+        self.unregistered: list = []
+        self.mapped_at_unregister: list = []
+        self.events: list[FakeEvent] = []
+
+    def is_initialized(self):
+        return True
+
+    def host_register(self, ptr, nbytes):
+        self.registered.append((ptr, nbytes))
+        return self.rc
+
+    def host_unregister(self, ptr):
+        self.unregistered.append(ptr)
+        self.mapped_at_unregister.append(_is_mapped(ptr))
+        return 0
+
+    def record_event(self):
+        ev = FakeEvent()
+        self.events.append(ev)
+        return ev
+
+
+def _is_mapped(ptr):
+    with open("/proc/self/maps") as f:
+        return any(int(line.split("-", 1)[0], 16) == ptr for line in f)
+
+
+@pytest.fixture
+def fake_cuda():
+    rt = FakeCuda()
+    _cuda.set_runtime(rt)
+    try:
+        yield rt
+    finally:
+        _cuda.set_runtime(None)
+
+
+def test_pinned_reader_releases_after_the_event(fake_cuda):
+    w, (r,) = _pair()
+    rc = _core(r)
+    w.enqueue({"x": 1})
+    r.dequeue(timeout=10)
+    assert fake_cuda.registered == []                 # nothing pinned before a large buffer
+    w.enqueue(torch.ones(MiB // 4))
+    t = r.dequeue(timeout=10)
+    assert fake_cuda.registered == [(rc.address, rc.total_bytes)]   # whole mapping, once
+    assert r.stats()["arena_pinned"] == 1
+    del t                                              # the view dies, a DMA may still run
+    assert _held_by(w, 0) == [0]
+    w.enqueue({"step": 2})
+    r.dequeue(timeout=10)                              # records the event after the copies
+    assert len(fake_cuda.events) == 1 and _held_by(w, 0) == [0]
+    w.enqueue({"step": 3})
+    r.dequeue(timeout=10)                              # event not done: still held
+    assert _held_by(w, 0) == [0]
+    fake_cuda.events[0].done = True
+    w.enqueue({"step": 4})
+    r.dequeue(timeout=10)
+    assert _held_by(w, 0) == []
+    w.enqueue(torch.ones(MiB // 4))
+    r.dequeue(timeout=10)
+    assert len(fake_cuda.registered) == 1              # never registered twice
+    assert r.stats()["arena_event_gated"] == 1
+
+
+def test_unregister_happens_before_unmap_after_the_last_view(fake_cuda):
+    import gc
+
+    w, (r,) = _pair()
+    w.enqueue(torch.ones(MiB // 4))
+    t = r.dequeue(timeout=10)
+    base = _core(r).address
+    del r
+    gc.collect()
+    assert fake_cuda.unregistered == []                # a view is alive: stay pinned and mapped
+    assert _is_mapped(base)
+    del t
+    gc.collect()
+    assert fake_cuda.unregistered == [base] and fake_cuda.mapped_at_unregister == [True]
+    assert not _is_mapped(base)
+
+
+def test_failed_pin_releases_immediately():
+    rt = FakeCuda(rc=2)
+    _cuda.set_runtime(rt)
+    try:
+        w, (r,) = _pair()
+        w.enqueue(torch.ones(MiB // 4))
+        t = r.dequeue(timeout=10)
+        assert len(rt.registered) == 1 and r.stats()["arena_pinned"] == 0
+        del t
+        assert _held_by(w, 0) == [] and rt.events == []
+    finally:
+        _cuda.set_runtime(None)
+
+
+def test_no_pin_without_initialised_cuda():
+    class NotInitialised(FakeCuda):
+        def is_initialized(self):
+            return False
+
+    rt = NotInitialised()
+    _cuda.set_runtime(rt)
+    try:
+        w, (r,) = _pair()
+        w.enqueue(torch.ones(MiB // 4))
+        t = r.dequeue(timeout=10)
+        assert rt.registered == [] and r.stats()["arena_pinned"] == 0
+        del t
+        assert _held_by(w, 0) == []
+    finally:
+        _cuda.set_runtime(None)
+
+
+# -- switch, sizing, environment ---------------------------------------------------------
+def test_on_by_default_for_local_queues_only(monkeypatch):
+    monkeypatch.delenv("FASTMQ_ARENA", raising=False)
+    w = MessageQueue(1, 1)
+    assert w.tensor_arena is not None and w.handle.tensor_arena_handle[:3] == (1, 256 * MiB, 8)
+    assert MessageQueue(1, 1, enable_shm_tensor_arena=False).tensor_arena is None
+    assert MessageQueue(2, 1, connect_ip="127.0.0.1").tensor_arena is None
+    assert MessageQueue(2, 1, connect_ip="127.0.0.1",
+                        enable_shm_tensor_arena=True).tensor_arena is None
+    monkeypatch.setenv("FASTMQ_ARENA", "0")
+    assert MessageQueue(1, 1).tensor_arena is None
+    assert MessageQueue(1, 1, enable_shm_tensor_arena=True).tensor_arena is None
+    monkeypatch.setenv("FASTMQ_ARENA", "1")
+    assert MessageQueue(1, 1).tensor_arena is not None
+
+
+def test_idle_arena_costs_no_memory_and_prefault_modes():
+    off = MessageQueue(1, 1, arena_slots=4, arena_slot_mb=2, arena_min_mb=1,
+                       arena_prefault="off")
+    assert _blocks(off) <= 64 * 1024                    # header and flag lines only
+    w, (r,) = _pair(slots=4, slot_mb=2)                  # default: "ahead"
+    assert _blocks(w) <= 64 * 1024
+    w.enqueue(torch.ones(MiB // 2))                      # 2 MiB: first use of slot 0, cold
+    r.dequeue(timeout=10)
+    core = _core(w)
+    _wait_prefault(core)
+    assert [core.faulted_bytes(s) for s in range(4)] == [2 * MiB, 2 * MiB, 0, 0]
+    assert 4 * MiB <= _blocks(w) < 5 * MiB
+    off.enqueue(torch.ones(MiB // 4))                    # "off": only what the copy used
+    assert [_core(off).faulted_bytes(s) for s in range(4)] == [MiB, 0, 0, 0]
+    for mode, want in (("all", [2 * MiB] * 4), (1, [2 * MiB, 0, 0, 0])):
+        q = MessageQueue(1, 1, arena_slots=4, arena_slot_mb=2, arena_prefault=mode)
+        _wait_prefault(_core(q))
+        assert [_core(q).faulted_bytes(s) for s in range(4)] == want
+        assert _core(q).stats()["arena_prefaulted_bytes"] == sum(want)
+
+
+def _wait_prefault(core, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not core.prefault_idle():
+        assert time.monotonic() < deadline, "background pre-fault did not finish"
+        time.sleep(0.005)
+
+
+def test_sizing_from_env_and_kwargs(monkeypatch):
+    monkeypatch.setenv("FASTMQ_ARENA_SLOTS", "3")
+    monkeypatch.setenv("FASTMQ_ARENA_SLOT_MB", "1.5")
+    monkeypatch.setenv("FASTMQ_ARENA_MIN_MB", "0.5")
+    monkeypatch.setenv("FASTMQ_ARENA_COPY_THREADS", "2")
+    w = MessageQueue(1, 1)
+    assert w.handle.tensor_arena_handle[:3] == (1, 3 * MiB // 2, 3)
+    assert _core(w).min_bytes == MiB // 2 and _core(w).copy_threads == 2
+    w2 = MessageQueue(1, 1, arena_slots=5, arena_slot_mb=1)   # kwargs win
+    assert w2.handle.tensor_arena_handle[:3] == (1, MiB, 5)
+    # Readers adopt the writer's geometry whatever their own environment says.
+    monkeypatch.setenv("FASTMQ_ARENA_SLOTS", "7")
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    assert (r.tensor_arena.n_slots, r.tensor_arena.slot_bytes) == (3, 3 * MiB // 2)
+    assert A.sizing({"arena_slot_mb": 0.001}).slot_bytes == 4096   # whole pages
+
+
+@pytest.mark.parametrize("var,value", [
+    ("FASTMQ_ARENA", "maybe"), ("FASTMQ_ARENA_SLOTS", "many"), ("FASTMQ_ARENA_SLOTS", "0"),
+    ("FASTMQ_ARENA_SLOT_MB", "-1"), ("FASTMQ_ARENA_SLOT_MB", "0"), ("FASTMQ_ARENA_SLOT_MB", "inf"),
+    ("FASTMQ_ARENA_MIN_MB", "x"), ("FASTMQ_ARENA_PREFAULT", "sometimes"),
+    ("FASTMQ_ARENA_COPY_THREADS", "0"),
+])
+def test_bad_environment_names_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        MessageQueue(1, 1)
+
+
+@pytest.mark.parametrize("kw", [{"arena_slots": 0}, {"arena_slot_mb": -2}, {"arena_min_mb": "1"},
+                                {"arena_prefault": "never"}, {"arena_copy_threads": 1.5}])
+def test_bad_keyword_names_the_keyword(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        MessageQueue(1, 1, **kw)
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="arena_slotz"):
+        MessageQueue(1, 1, arena_slotz=3)
+
+
+def test_dev_shm_too_small(caplog):
+    too_big_mb = shutil.disk_usage("/dev/shm").free // MiB + 1024
+    with pytest.raises(RuntimeError, match="FASTMQ_ARENA_SLOT_MB"):
+        MessageQueue(1, 1, enable_shm_tensor_arena=True, arena_slots=1, arena_slot_mb=too_big_mb)
+    with caplog.at_level(logging.WARNING, logger="fastmq"):
+        w = MessageQueue(1, 1, arena_slots=1, arena_slot_mb=too_big_mb)   # on by default only
+    assert w.tensor_arena is None and w.handle.tensor_arena_handle is None
+    assert any("without a tensor arena" in rec.getMessage() for rec in caplog.records)
+
+
+# -- end to end with reader processes ----------------------------------------------------
+@pytest.mark.parametrize("n_readers", [2, 3])
+def test_end_to_end_reader_processes(procs, spawn_ctx, n_readers):
+    n_msgs = 6
+    w = MessageQueue(n_readers, n_readers, arena_slots=8, arena_slot_mb=4, arena_min_mb=1)
+    hq = spawn_ctx.Queue()
+    for rank in range(n_readers):
+        procs.start(ac.reader_main, w.export_handle(), rank, n_msgs, hq)
+    resps = {}
+    for _ in range(n_readers):
+        rank, h = hq.get(timeout=120)
+        resps[rank] = MessageQueue.create_from_handle(h, 0)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    for q in resps.values():
+        q.wait_until_ready()
+    t.join(60)
+    core = _core(w)
+
+    def acks(tag):
+        for rank, q in resps.items():
+            assert q.dequeue(timeout=120) == ("ack", rank, tag)
+
+    for i in range(n_msgs):
+        w.enqueue(ac.make_message(i), timeout=60)
+        acks(i)
+        # Message 0's four buffers (slots 0-3) stay with every reader; each
+        # later message's slots came back from all readers before the ack.
+        for s in range(4):
+            assert _held_by(w, s) == list(range(n_readers)), (i, s)
+        for s in range(4, 8):
+            assert _held_by(w, s) == []
+    t = w.empty_tensor(1 << 18)
+    t.fill_(7.0)
+    w.enqueue(t)
+    del t
+    acks("inplace")
+    w.enqueue("drop")
+    done = [q.dequeue(timeout=120) for q in resps.values()]
+    w.enqueue("bye")
+    procs.join_all()
+    for tag, rank, errors, rst in done:
+        assert tag == "done" and errors == [], (rank, errors)
+        assert rst["arena_views"] == 4 * n_msgs + 1
+        assert rst["arena_released"] == 4 * n_msgs + 1
+    st = w.stats()
+    assert st["arena_hits"] == 4 * n_msgs + 1 and st["arena_inplace"] == 1
+    assert st["arena_fallback_exhausted"] == st["arena_fallback_oversize"] == 0
+    assert st["arena_fallback_declined"] == 0
+    assert core.free_slots() == list(range(8))
