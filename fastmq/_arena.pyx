@@ -59,7 +59,7 @@ from cpython.buffer cimport (PyBUF_FULL_RO, PyBUF_SIMPLE, PyBuffer_FillInfo,
                              PyBuffer_IsContiguous, PyBuffer_Release, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.type cimport PyType_IsSubtype
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
@@ -543,6 +543,7 @@ cdef class Arena:
             return rv
         return NotImplemented
 
+    @cython.binding(False)   # called per message: a plain C method
     def divert_buffer(self, buf):
         """The pickler's buffer callback asks this first for every
         ``PickleBuffer``: returns a slot descriptor (bytes) to send out of
@@ -686,6 +687,7 @@ cdef class Arena:
         self.n_hit_bytes += nbytes
         return self.descriptor(slot, start, nbytes, epoch)
 
+    @cython.binding(False)   # called per message: a plain C method
     def commit(self):
         """The message was sent: its slots belong to the readers now."""
         cdef int s
@@ -831,6 +833,7 @@ cdef class Arena:
         fmq_arena_store_int(&self.cancel_prefault, 1)
 
     # == reader =============================================================
+    @cython.binding(False)   # called per message: a plain C method
     def map_oob(self, list oob):
         """Replace the slot descriptors among a message's out-of-band
         entries by zero-copy views of their slots (memoryviews over
@@ -936,6 +939,7 @@ cdef class Arena:
         fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_DONE + self.reader_rank), 1)
         self.n_released += 1
 
+    @cython.binding(False)   # called per message: a plain C method
     def flush_releases(self):
         """Reader, at every dequeue: hand back slots whose views are gone.
 

@@ -42,8 +42,8 @@ class TorchCudaRuntime:
         self._cudart = None
 
     def is_initialized(self) -> bool:
-        cuda = self._torch.cuda
-        return cuda.is_available() and cuda.is_initialized()
+        # A plain flag in torch: never initialises or even queries the driver.
+        return self._torch.cuda.is_initialized()
 
     def _rt(self):
         if self._cudart is None:

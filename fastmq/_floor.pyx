@@ -92,7 +92,7 @@ cdef int _wait_for(uint64_t *word, uint64_t value, int64_t deadline,
 
 def pingpong_writer(Segment seg, int n_readers, const unsigned char[::1] src,
                     uint64_t first_seq, int64_t[::1] out, double timeout_s,
-                    int64_t spin_ns=20_000):
+                    int64_t spin_ns=2_000):
     """Run ``len(out)`` round trips, numbered ``first_seq``, ``first_seq + 1``...;
     ``out[i]`` receives round trip ``i`` in nanoseconds: copy ``src`` in,
     publish, wait for every reader's ack."""
@@ -130,7 +130,7 @@ def pingpong_writer(Segment seg, int n_readers, const unsigned char[::1] src,
 
 def pingpong_reader(Segment seg, int n_readers, int rank, unsigned char[::1] dst,
                     uint64_t first_seq, Py_ssize_t rounds, double timeout_s,
-                    int64_t spin_ns=20_000):
+                    int64_t spin_ns=2_000):
     """Answer ``rounds`` round trips as reader ``rank``: wait for each
     number, copy the payload into ``dst``, check its stamp, ack."""
     cdef Py_ssize_t size = dst.shape[0]

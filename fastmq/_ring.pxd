@@ -27,6 +27,7 @@ cdef class Ring:
     # Wake syscalls this end issued (a busy pipeline should issue none).
     cdef readonly uint64_t wakeups
     cdef object data_view
+    cdef object __weakref__
     cdef object loads
     # Called as oob_hook(oob_list) -> list before unpickling a message that
     # has out-of-band buffers (the tensor arena maps slot descriptors).

@@ -8,15 +8,15 @@ On by default for queues whose readers are all on this node; off with
 Sizing, each from a keyword argument of ``MessageQueue``, else the
 environment, else the default:
 
-=====================  ============================  =========  ==========================
-keyword                environment                   default    meaning
-=====================  ============================  =========  ==========================
-``arena_slots``        ``FASTMQ_ARENA_SLOTS``        8          large buffers in flight
-``arena_slot_mb``      ``FASTMQ_ARENA_SLOT_MB``      256        largest divertible buffer
-``arena_min_mb``       ``FASTMQ_ARENA_MIN_MB``       8          smallest divertible buffer
-``arena_prefault``     ``FASTMQ_ARENA_PREFAULT``     ahead      ahead / off / all / N slots
-``arena_copy_threads`` ``FASTMQ_ARENA_COPY_THREADS`` cpu/2 <= 4 threads of one large copy
-=====================  ============================  =========  ==========================
+======================  =============================  ===========  ========================
+keyword                 environment                    default      meaning
+======================  =============================  ===========  ========================
+``arena_slots``         ``FASTMQ_ARENA_SLOTS``         8            large buffers in flight
+``arena_slot_mb``       ``FASTMQ_ARENA_SLOT_MB``       256          largest divertible buffer
+``arena_min_mb``        ``FASTMQ_ARENA_MIN_MB``        8            smallest divertible buffer
+``arena_prefault``      ``FASTMQ_ARENA_PREFAULT``      ahead        ahead / off / all / N slots
+``arena_copy_threads``  ``FASTMQ_ARENA_COPY_THREADS``  cpus/2 <= 4  threads of one large copy
+======================  =============================  ===========  ========================
 
 Readers adopt the writer's geometry from ``Handle.tensor_arena_handle``.
 """

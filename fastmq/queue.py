@@ -38,6 +38,12 @@ LONG_WAIT_TIME_LOG_MSG = (
 
 _RECV_SLICE_MS = 100   # socket waits re-check shutdown at this period
 
+# Called (no arguments) after each queue end is created or attached in this
+# process.  fastmq.vllm sets it while active, so that a vLLM worker started
+# with fork -- which inherits the swapped classes but runs no plugin and no
+# import -- still logs that fastmq is active.
+on_queue_created = None
+
 
 class HandleMismatchError(RuntimeError):
     """A handle from one queue implementation was given to the other."""
@@ -99,11 +105,17 @@ class _RingHooks:
     except ``notify_zmq`` in ZMQ mode while some reader is parked)."""
 
     def __init__(self, ring, notify_socket=None, poller=None, cancel_recv=None):
-        self._ring = ring
+        # Weak: the ring owns its hooks, and a strong back-reference would
+        # make a cycle that keeps the segment mapped until a GC pass.
+        self._ring_ref = weakref.ref(ring)
         self._notify = notify_socket
         self._poller = poller
         self._cancel_recv = cancel_recv
         self._next_peer_check = 0.0
+
+    @property
+    def _ring(self):
+        return self._ring_ref()
 
     def park_zmq(self, timeout_ms: int) -> None:
         events = dict(self._poller.poll(timeout=timeout_ms))
@@ -195,6 +207,10 @@ class MessageQueue:
     writer's wait mode and spin budget.  ``remote_curve`` (default
     ``FASTMQ_CURVE`` or off) encrypts and authenticates the remote TCP path
     with ZMQ CURVE; the keys travel in the handle (see ``fastmq._curve``).
+    ``enable_shm_tensor_arena`` defaults to ``None``: the tensor arena is on
+    for local-only queues unless ``FASTMQ_ARENA=0``; ``arena_slots``,
+    ``arena_slot_mb``, ``arena_min_mb``, ``arena_prefault`` and
+    ``arena_copy_threads`` size it (see ``fastmq.arena``).
     """
 
     def __init__(
@@ -303,6 +319,8 @@ class MessageQueue:
         self._finalizer.atexit = False
         segments.remove_at_exit(paths)
         logger.debug("fastmq message queue handle: %s", self.handle)
+        if on_queue_created is not None:
+            on_queue_created()
 
     def _make_arena(self, enable: bool | None, options: dict):
         """The writer's tensor arena (see fastmq.arena), or None: off, or
@@ -396,6 +414,8 @@ class MessageQueue:
             raise
         self._finalizer = weakref.finalize(self, _close_zmq, context, sockets, [])
         self._finalizer.atexit = False
+        if on_queue_created is not None:
+            on_queue_created()
         return self
 
     def _attach_arena(self, handle: Handle):

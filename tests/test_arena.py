@@ -82,6 +82,20 @@ def test_tensor_round_trip_is_byte_exact_and_zero_copy(dtype):
     assert r.stats()["arena_views"] == 1
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threaded_copy_is_byte_exact(threads):
+    # 13 MiB + 5 bytes: three parts of >= 4 MiB, the last one ragged; the
+    # slot is cold, so each part also populates its own pages first.
+    w, (r,) = _pair(slots=2, slot_mb=16, arena_copy_threads=threads, arena_prefault="off")
+    src = np.random.default_rng(5).integers(0, 256, 13 * MiB + 5, dtype=np.uint8)
+    for _ in range(2):                                   # cold, then warm pages
+        w.enqueue(src)
+        got = r.dequeue(timeout=10)
+        assert np.array_equal(got, src) and r.tensor_arena.contains(got.ctypes.data)
+        del got
+    assert _core(w).faulted_bytes(0) == 13 * MiB + 4096
+
+
 def test_reader_sees_the_same_memory():
     w, (r1, r2) = _pair(2)
     w.enqueue(torch.zeros(MiB // 4))

@@ -25,10 +25,10 @@ class Params:
     step_warmup: int = 200          # round trips per size not counted
     step_min: int = 200             # at least this many counted...
     step_max: int = 5000            # ...at most this many...
-    step_budget_s: float = 0.3      # ...stopping once past this time and the minimum
+    step_budget_s: float = 0.25     # ...stopping once past this time and the minimum
     # throughput: small messages pipelined; messages/s delivered to every reader.
     tp_payload: int = 64
-    tp_budget_s: float = 0.5        # per repetition
+    tp_budget_s: float = 0.3        # per repetition
     tp_max_msgs: int = 200_000
     tp_warmup_reps: int = 1
     tp_reps: int = 2
@@ -39,9 +39,9 @@ class Params:
     # the first touch of fresh shared-memory pages (the first message's
     # time is reported separately).
     tensor_warmup: int = 10
-    tensor_reps: int = 5
+    tensor_reps: int = 4
     # wake: one message after the readers went idle (parked).
-    wake_samples: int = 12
+    wake_samples: int = 10
     wake_warmup: int = 20
     wake_gap_s: float = 0.1         # parked at least this long (after any spin phase)
     idle_window_s: float = 2.0      # idle-CPU window after the last message
@@ -75,7 +75,7 @@ def preset(name: str) -> Params:
             readers={"step": [1, 2, 4], "throughput": [1, 2, 4], "tensor": [1, 2, 4],
                      "wake": [1, 2]},
             step_sizes=[100, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
-            step_warmup=500, step_min=1000, step_max=20_000, step_budget_s=1.5,
+            step_warmup=500, step_min=1000, step_max=20_000, step_budget_s=1.0,
             tp_budget_s=1.0, tp_max_msgs=1_000_000, tp_warmup_reps=1, tp_reps=3,
             tensor_sizes=[16 * MiB, 128 * MiB, 256 * MiB], tensor_warmup=12, tensor_reps=10,
             wake_samples=40, wake_warmup=50, idle_window_s=5.0,

@@ -37,9 +37,11 @@ def _floor_module():
 
 
 # How long the floor's waits spin before yielding the core between polls:
-# long enough never to yield when every process has a core, zero when they
-# do not (then a spinner would hold the core its peer needs).
-SPIN_NS = 20_000
+# longer than a round trip takes when every process has a core of its own
+# (well under a microsecond), short enough that a writer and reader pushed
+# onto one core by other work hand it over quickly; zero when the run itself
+# has more processes than cores.
+SPIN_NS = 2_000
 
 
 def floor_reader(name: str, n: int, rank: int, conn, timeout_s: float, spin_ns: int) -> None:

@@ -16,6 +16,7 @@ The rules that keep a figure honest live here:
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -69,6 +70,9 @@ def reader_main(impl, spec, rank: int, scenario: str, params, conn) -> None:
     """Entry point of reader process ``rank``: attach, run the scenario's
     ``reader_loop``, report through ``conn``."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Everything imported so far (torch, vLLM) lives for the whole process:
+    # keep it out of the collections that closing the queues runs.
+    gc.freeze()
     end = None
     failed = False
     try:
@@ -130,6 +134,7 @@ class ReaderGroup:
         self.conns: list = []
         self.pids: list[int] = []
         self.results: list = [None] * n
+        self.sent = 0  # messages sent, the stop message excepted
         self._errors: dict[int, str] = {}
 
     @property
@@ -185,6 +190,7 @@ class ReaderGroup:
                 try:
                     msg = conn.recv()
                 except EOFError:
+                    proc.join(1.0)
                     raise BenchError(f"{self.where}: reader {rank} exited (code "
                                      f"{proc.exitcode}) during {what}") from None
                 if msg[0] == "error":
@@ -193,6 +199,7 @@ class ReaderGroup:
                                      f"{msg[1]}")
                 return msg
             if not proc.is_alive() and not conn.poll(0):
+                proc.join(1.0)
                 raise BenchError(f"{self.where}: reader {rank} exited (code "
                                  f"{proc.exitcode}) during {what}")
             if time.monotonic() > end:
@@ -210,6 +217,10 @@ class ReaderGroup:
                 if msg[0] != "done":
                     raise BenchError(f"{self.where}: reader {rank} sent {msg[0]!r} at stop")
                 self.results[rank] = msg[1]
+                got = msg[1]["received"]
+                if got != self.sent:
+                    raise BenchError(f"{self.where}: reader {rank} verified {got} messages, "
+                                     f"the writer sent {self.sent}")
             for rank, p in enumerate(self.procs):
                 p.join(self.timeout)
                 if p.is_alive():
@@ -245,6 +256,8 @@ class ReaderGroup:
 
     # -- the measured operations ---------------------------------------------
     def send(self, obj) -> None:
+        if obj is not None:
+            self.sent += 1
         try:
             self.writer.send(obj, self.timeout)
         except BenchError:

@@ -54,7 +54,7 @@ class Impl:
     @property
     def spin_s(self) -> float | None:
         """How long an idle reader spins before it parks (None: never parks)."""
-        if self.family == "fastmq" or self.family == "floor":
+        if self.family == "fastmq":
             if self.wait_mode == "spin":
                 return None
             from fastmq import _config
@@ -145,6 +145,12 @@ def availability(impl: Impl) -> tuple[bool, str]:
         except Exception as e:  # ImportError, or vLLM failing at import time
             return False, f"vLLM is not importable here ({type(e).__name__}: {e})"
         return True, ""
+    if impl.family == "floor":
+        try:
+            from fastmq import _floor  # noqa: F401
+        except ImportError as e:
+            return False, (f"the C floor is not built ({e}): run `python setup.py "
+                           "build_ext --inplace` or reinstall fastmq")
     if impl.wait_mode == "futex":
         from fastmq._ring import have_futex
 
@@ -168,6 +174,7 @@ class _QueueWriter:
         self._acks: list = []
 
     def attach_acks(self, specs: list) -> None:
+        self._ack_specs = list(specs)
         self._acks = [self._cls.create_from_handle(h, 0) for h in specs]
 
     def ready(self) -> None:
@@ -192,6 +199,16 @@ class _QueueWriter:
         self._mq = None
         self._acks = []
         gc.collect()
+        if self.impl.family == "vllm":
+            # vLLM leaves its ipc socket files behind; by now every socket
+            # on them (ours, and the reader processes' answer queues) is closed.
+            for h in [self.spec, *getattr(self, "_ack_specs", [])]:
+                for addr in (h.local_subscribe_addr, h.local_notify_addr):
+                    if addr and addr.startswith("ipc://"):
+                        try:
+                            os.unlink(addr[len("ipc://"):])
+                        except OSError:
+                            pass
 
 
 class _QueueReader:

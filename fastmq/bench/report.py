@@ -119,7 +119,7 @@ def targets(records: list[dict]) -> list[dict]:
             ratio = f["p50"] / v["p50"]
             add(4, f"wake N={n}: fastmq futex p50 / vLLM p50", f"{ratio:.2f}", "<= 0.33",
                 ratio <= 1 / 3)
-    return out
+    return sorted(out, key=lambda t: t["issue"])  # stable: by issue, then as added
 
 
 # ---------------------------------------------------------------------------
@@ -240,8 +240,9 @@ def _section_notes(records, rs, scenario) -> list[str]:
                          "copied in, each reader copies it out and answers on its own cache "
                          "line); no queue, no pickling.")
     if scenario == "tensor" and any(r["impl"] == "floor" for r in rs):
-        notes.append("floor: one memcpy into a pre-faulted shared segment plus every reader's "
-                     "read of every byte; x floor = p50 / floor p50 (lower is better).")
+        notes.append("floor: one single-threaded memcpy into a pre-faulted shared segment plus "
+                     "every reader's read of every byte; x floor = p50 / floor p50 (lower is "
+                     "better; below 1 where a copy uses several threads).")
         w = rs[0]
         notes.append(f"p50/min/max over {w['samples']} messages after {w['warmup']} warm-up "
                      "messages; first ms = the very first message, which also pays for "

@@ -3,6 +3,7 @@ reader-process environment, the scenarios in order, and the result
 (records, ratios, targets, notes, machine details)."""
 from __future__ import annotations
 
+import gc
 import importlib
 import time
 
@@ -49,12 +50,16 @@ def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
 
 
 def describe(plan_: dict) -> str:
-    lines = ["implementations (name: what it is; scenarios; available here):"]
+    lines = ["implementations (name: what it is; selected scenarios; runs here):"]
     for impl in impls_mod.IMPLS.values():
         where = [s for s, lst in plan_.items() if impl in lst]
-        ok, why = impls_mod.availability(impl)
+        if where:
+            ok, why = impls_mod.availability(impl)
+            state = "yes" if ok else "no: " + why
+        else:
+            state = "not checked"
         lines.append(f"  {impl.name:20s} {impl.description}; "
-                     f"{', '.join(where) or 'not selected'}; {'yes' if ok else 'no: ' + why}")
+                     f"{', '.join(where) or 'not selected'}; {state}")
     return "\n".join(lines)
 
 
@@ -74,11 +79,14 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     if with_vllm and not any(v["available"] for n, v in available.items()
                              if selected[n].family == "vllm"):
         notes.append("No vLLM figures, so no ratios against vLLM.")
+    # torch and vLLM are imported now and stay: keep their objects out of
+    # the collections that closing each run's queues makes.
+    gc.freeze()
     plan_ = {s: [i for i in lst if available[i.name]["available"]] for s, lst in plan_.items()}
     plan_ = {s: lst for s, lst in plan_.items() if lst}
 
-    prog = Progress(sum(_scenario(s).groups(lst, params) for s, lst in plan_.items())
-                    + (1 if "step" in plan_ else 0), enabled=progress)
+    prog = Progress(sum(_scenario(s).groups(lst, params) for s, lst in plan_.items()),
+                    enabled=progress)
     records: list[dict] = []
     seconds = {}
     try:

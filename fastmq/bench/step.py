@@ -19,7 +19,8 @@ IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor")
 
 
 def groups(impls, params) -> int:
-    return len(impls) * len(params.readers[NAME])
+    floor_memcpy = any(impl.family == "floor" for impl in impls)
+    return len(impls) * len(params.readers[NAME]) + floor_memcpy
 
 
 def run(env, impls, params, progress) -> list[dict]:
@@ -54,8 +55,9 @@ def run(env, impls, params, progress) -> list[dict]:
                                           params.step_max, params.step_budget_s)
                     records.append(record(impl.name, n, size, samples, params.step_warmup,
                                           env.oversubscribed(n)))
-    progress.start("step  floor: one memcpy of the payload")
-    records += floors.memcpy_floor(params.step_sizes)
+    if any(impl.family == "floor" for impl in impls):
+        progress.start("step  floor: one memcpy of the payload")
+        records += floors.memcpy_floor(params.step_sizes)
     return records
 
 

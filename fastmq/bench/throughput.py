@@ -65,11 +65,11 @@ def run(env, impls, params, progress) -> list[dict]:
 def reader_loop(end, rank: int, params):
     recv, reply, timeout = end.recv, end.reply, params.timeout_s
     payload = pattern(params.tp_payload)
-    expect, got = 1, 0
+    expect, got, ends = 1, 0, 0
     while True:
         m = receive(recv, timeout, expect)
         if m is None:
-            return {"received": expect - 1}
+            return {"received": expect - 1 + ends}
         kind = m[0] if type(m) is tuple and len(m) == 3 else None
         if kind == "tp":
             expect_seq(expect, m[1])
@@ -83,5 +83,6 @@ def reader_loop(end, rank: int, params):
                 raise VerifyError(f"the writer sent {m[2]} messages, this reader got {got}")
             reply(("ok", m[1], rank, got), timeout)
             got = 0
+            ends += 1
         else:
             raise VerifyError(f"unexpected message {m!r:.80}")
