@@ -360,12 +360,12 @@ def test_curve_reader_with_wrong_key_receives_nothing():
                                      keypair=(client_public, client_secret)),
             "unknown client key": _sub(ctx, addr, server_key=server_public),
         }
-        time.sleep(0.3)                         # let their handshakes fail
+        # No intruder gets as far as subscribing (the writer's XPUB would
+        # receive the subscription).
+        assert not writer.remote_socket.poll(500), "an intruder subscribed"
         reader = MessageQueue.create_from_handle(handle, 0)
         writer.wait_until_ready()
         reader.wait_until_ready()
-        # No intruder got as far as subscribing.
-        assert not writer.remote_socket.poll(300)
         for i in range(3):
             writer.enqueue({"secret": i})
             assert reader.dequeue(timeout=10) == {"secret": i}
