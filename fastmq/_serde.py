@@ -43,6 +43,11 @@ def rebuild_tensor(buf: Any, shape: tuple[int, ...], dtype_name: str):
         buf = bytearray(buf)
     mv = memoryview(buf)
     if mv.nbytes == 0:
+        # Only a tensor with no elements has no bytes: a stream claiming
+        # otherwise must not make us allocate whatever shape it names.
+        if 0 not in tuple(shape):
+            raise pickle.UnpicklingError(
+                f"empty buffer for a tensor of shape {tuple(shape)} in message")
         return torch.empty(shape, dtype=dtype)
     if mv.readonly:
         buf = bytearray(mv)

@@ -117,7 +117,27 @@ def hook_first() -> None:
     assert isinstance(writer, fastmq.MessageQueue)
     del writer, reader
     gc.collect()
+
+    # vLLM's default start method for workers is fork: the child inherits
+    # the swapped classes, runs no import hook and no plugin, and must log
+    # its own line (at its first queue).
+    import multiprocessing
+
+    sys.stdout.flush()      # or the child flushes our buffered output again
+    child = multiprocessing.get_context("fork").Process(target=_forked_worker,
+                                                        name="VllmWorker-0")
+    child.start()
+    child.join(60)
+    out["forked"] = {"pid": child.pid, "exitcode": child.exitcode}
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _forked_worker() -> None:
+    shm = sys.modules[SHM]
+    queues = [shm.MessageQueue(1, 1, enable_shm_tensor_arena=False) for _ in range(2)]
+    assert all(type(q).__module__ == "fastmq.queue" for q in queues)
+    del queues
+    gc.collect()
 
 
 # -- opted out: vLLM untouched; then both cross-implementation directions ----------

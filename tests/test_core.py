@@ -325,3 +325,11 @@ def test_process_group_gloo(procs, spawn_ctx, tmp_path, single_reader):
             out, n_local = results[rank]
             assert out == [{"n": n} for n in range(5)]
         assert results[1][1] == 2          # both other ranks share this node
+
+
+def test_hostile_tensor_stub_with_empty_buffer_raises():
+    from fastmq._serde import rebuild_tensor
+
+    with pytest.raises(pickle.UnpicklingError, match="empty buffer"):
+        rebuild_tensor(b"", (1 << 40,), "float32")
+    assert rebuild_tensor(b"", (0, 3), "bfloat16").shape == (0, 3)

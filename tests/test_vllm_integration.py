@@ -43,11 +43,18 @@ SPAWN = mp.get_context("spawn")
 VLLM_INFO = re.compile(r"^\(.* pid=\d+\) INFO ")
 
 
+# Settings that would change what these tests expect, should this process
+# have them (spawn children copy the environment as it is during the test).
+UNSET = ("FASTMQ_VLLM", "VLLM_PLUGINS", "FASTMQ_ARENA", "FASTMQ_MAX_CHUNK_MB",
+         "FASTMQ_MAX_CHUNKS", "VLLM_MQ_MAX_CHUNK_BYTES_MB", "VLLM_RINGBUFFER_WARNING_INTERVAL")
+
+
 @pytest.fixture
 def active(monkeypatch):
     """vLLM's shm_broadcast, with fastmq active in this process before and
     after the test (a test that unpatches cannot leave it so)."""
-    monkeypatch.delenv("FASTMQ_VLLM", raising=False)
+    for name in UNSET:
+        monkeypatch.delenv(name, raising=False)
     fv.patch()
     assert fv.is_active()
     yield importlib.import_module(SHM)
@@ -74,7 +81,7 @@ def fastmq_log():
 
 
 def child_env(**overrides) -> dict:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
     env["PYTHONPATH"] = TESTS + os.pathsep + env.get("PYTHONPATH", "")
     for k, v in overrides.items():
         if v is None:
@@ -124,7 +131,7 @@ def test_pth_is_installed_and_cheap():
     probe = ("import sys, json; h = sys.modules.get('fastmq.vllm._hook'); "
              "print(json.dumps([h is not None and h.is_installed(), h and h.__file__, "
              "[m for m in ('vllm', 'torch', 'fastmq', 'zmq') if m in sys.modules]]))")
-    on = run_python(probe, FASTMQ_VLLM=None)
+    on = run_python(probe)
     assert on.returncode == 0 and on.stderr == "", on.stderr
     installed_hook, path, imported = json.loads(on.stdout)
     assert installed_hook and imported == []
@@ -143,12 +150,15 @@ def test_pth_is_installed_and_cheap():
 def test_hook_before_vllm_import_swaps_everything_and_logs_once():
     """A fresh process with only the .pth hook: vLLM's shm_broadcast, its
     executor modules and plugin loading all give fastmq's classes; the
-    activation line appears once, in vLLM's log stream (vLLM's logging
-    configured as vLLM configures it), and so does vLLM's long-wait message
-    at the VLLM_RINGBUFFER_WARNING_INTERVAL the process set."""
-    done = run_python("import _vllm_children as c; c.hook_first()",
-                      FASTMQ_VLLM=None, VLLM_PLUGINS=None,
-                      VLLM_RINGBUFFER_WARNING_INTERVAL=None, FASTMQ_WAIT="futex")
+    activation line appears once per process (here and in a worker forked
+    from here), in vLLM's log stream (vLLM's logging configured as vLLM
+    configures it), and so does vLLM's long-wait message at the
+    VLLM_RINGBUFFER_WARNING_INTERVAL the process set."""
+    done = run_python("import _vllm_children as c; c.hook_first()", FASTMQ_WAIT="futex",
+                      # vLLM's logging defaults, whatever this process inherited
+                      VLLM_CONFIGURE_LOGGING="1", VLLM_LOGGING_LEVEL="INFO",
+                      VLLM_LOGGING_CONFIG_PATH=None, VLLM_LOGGING_PREFIX=None,
+                      VLLM_LOGGING_STREAM=None)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
     assert result["at_start"] == {"hook_installed": True, "imported": []}
@@ -162,8 +172,10 @@ def test_hook_before_vllm_import_swaps_everything_and_logs_once():
 
     lines = done.stdout.splitlines()
     active = [ln for ln in lines if ACTIVE_LINE in ln]
-    assert len(active) == 1, active
-    line = active[0]
+    assert result["forked"]["exitcode"] == 0
+    assert len(active) == 2, active     # this process, and its forked worker
+    line, forked = active
+    assert f"pid {result['forked']['pid']}" in forked and "process VllmWorker-0" in forked
     assert VLLM_INFO.match(line), line                # vLLM's handler and format
     assert "vLLM 0.33.0 (by the import hook)" in line
     assert f"pid {result['pid']}" in line and "process MainProcess" in line
@@ -208,7 +220,7 @@ def test_patch_after_vllm_import_rebinds_and_unpatch_restores(active):
     assert all(m.MessageQueue is fastmq.MessageQueue for m in execs)
 
 
-def test_plugin_honours_vllm_plugins_and_rebinds_after_import(procs, monkeypatch):
+def test_plugin_honours_vllm_plugins_and_rebinds_after_import(procs, monkeypatch, active):
     """VLLM_PLUGINS without ``fastmq``: the hook declines and vLLM's loader
     does not call the plugin.  A process whose VLLM_PLUGINS names it gets
     fastmq through vLLM's own plugin loading, after vLLM's modules (and

@@ -279,6 +279,5 @@ def _arena_text() -> str:
     if not on:
         return "tensor arena off (FASTMQ_ARENA=0)"
     return (f"tensor arena {size.n_slots} x {size.slot_bytes / MiB:g} MiB slots for tensors "
-            f">= {size.min_bytes / MiB:g} MiB (the scheduler broadcast follows "
-            "--enable-shm-tensor-arena; queues vLLM builds without that argument use it "
-            "when /dev/shm has room)")
+            f">= {size.min_bytes / MiB:g} MiB (scheduler broadcast: as "
+            "--enable-shm-tensor-arena says; other queues: on where /dev/shm has room)")

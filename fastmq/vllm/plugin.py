@@ -24,7 +24,7 @@ def register() -> None:
         from fastmq import vllm as fastmq_vllm
 
         fastmq_vllm.patch(_source="vLLM plugin")
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:     # vLLM's API changed; a bad FASTMQ_VLLM
         logger.error("fastmq is not active in this process: %s", e)
     except Exception:
         logger.exception("fastmq is not active in this process: loading it failed; "
