@@ -338,3 +338,17 @@ def test_deadline_interrupts_a_blocking_socket_call():
     finally:
         s.close(linger=0)
         ctx.term()
+
+
+def test_vllm_baseline_is_vllms_own_queue():
+    """With fastmq's .pth hook installed, the baseline must still be vLLM's
+    class (the bench turns the hook off for itself and its children)."""
+    import subprocess
+    import sys
+
+    code = ("from fastmq.bench.__main__ import main; main(['--list']); "
+            "from fastmq.bench import impls; print(impls._vllm_mq().__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "vllm.distributed.device_communicators.shm_broadcast"

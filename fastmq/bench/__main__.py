@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM logs at INFO to stdout on import; keep the table readable (the
     # forkserver and readers inherit this).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The baseline must be vLLM's own MessageQueue: keep fastmq's vLLM import
+    # hook (installed by the .pth) out of this process and its children.
+    os.environ["FASTMQ_VLLM"] = "0"
 
     from fastmq.bench import runner
 

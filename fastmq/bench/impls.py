@@ -108,6 +108,12 @@ def _fastmq_mq():
 def _vllm_mq():
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
+    if not MessageQueue.__module__.startswith("vllm."):
+        # fastmq's vLLM hook swapped it in: measuring it would compare
+        # fastmq with itself.
+        raise RuntimeError(
+            "vLLM's MessageQueue is replaced by fastmq in this process "
+            f"({MessageQueue.__module__}); run the benchmark with FASTMQ_VLLM=0")
     return MessageQueue
 
 

@@ -81,8 +81,8 @@ def _signature_problems(where: str, vfunc, ffunc) -> list[str]:
     if fpos[:len(vpos)] != vpos:
         out.append(f"{where} takes ({', '.join(vpos)}) in vLLM, fastmq's takes "
                    f"({', '.join(fpos)})")
-    fnamed = {p.name for p in fsig.parameters.values()
-              if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    fnamed = {p.name for p in fsig.parameters.values() if p.kind in by_name}
     missing = [p.name for p in vsig.parameters.values()
                if p.kind == inspect.Parameter.KEYWORD_ONLY and p.name not in fnamed]
     if missing:
