@@ -10,8 +10,6 @@ a ZMQ XPUB socket); remote readers get it over TCP.  The hot state lives in
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 import weakref
 from contextlib import contextmanager

@@ -4,8 +4,6 @@ Message ``i`` is a pure function of ``i`` so that every reader can rebuild
 what it should have received and compare by content."""
 from __future__ import annotations
 
-import os
-import pickle
 import sys
 
 import numpy as np

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import _arena_children as ac
+from _queues import local_pair
 from fastmq import MessageQueue, _arena, _cuda
 from fastmq import arena as A
 
@@ -25,16 +26,9 @@ MiB = 1 << 20
 
 def _pair(n_local=1, slots=4, slot_mb=4, min_mb=1, **kw):
     """A writer with an arena and ``n_local`` in-process readers, handshaken."""
-    w = MessageQueue(n_local, n_local, arena_slots=slots, arena_slot_mb=slot_mb,
-                     arena_min_mb=min_mb, **kw)
+    w, rs = local_pair(n_local, arena_slots=slots, arena_slot_mb=slot_mb,
+                       arena_min_mb=min_mb, **kw)
     assert w.tensor_arena is not None
-    h = pickle.loads(pickle.dumps(w.export_handle()))
-    rs = [MessageQueue.create_from_handle(h, r) for r in range(n_local)]
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    for r in rs:
-        r.wait_until_ready()
-    t.join(10)
     return w, rs
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import pickle
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
 import torch
 
 import _core_children as cc
+from _queues import local_pair
 from fastmq import (CorruptChunkError, Handle, MessageQueue, ShmRingBuffer,
                     check_shm_free_space)
 
@@ -19,17 +19,8 @@ class MyTensor(torch.Tensor):
     """A tensor subclass the queue must not turn into a plain Tensor."""
 
 
-def _pair(n_local=1, n_reader=None, **kw):
-    """A writer and n_local in-process readers, handshaken."""
-    w = MessageQueue(n_reader or n_local, n_local, **kw)
-    h = pickle.loads(pickle.dumps(w.export_handle()))
-    rs = [MessageQueue.create_from_handle(h, r) for r in range(n_local)]
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    for r in rs:
-        r.wait_until_ready()
-    t.join(10)
-    return w, rs
+def _pair(n_local=1, **kw):
+    return local_pair(n_local, **kw)
 
 
 @pytest.mark.parametrize("n_readers", [1, 2, 4])
@@ -145,25 +136,6 @@ def test_timeouts_both_sides_and_queue_survives():
     assert r.dequeue(timeout=5) == 1
     w.enqueue(4, timeout=5)
     assert [r.dequeue(timeout=5), r.dequeue(timeout=5)] == [2, 4]
-
-
-@pytest.mark.parametrize("wait_mode", ["futex", "zmq", "spin"])
-def test_shutdown_wakes_idle_reader(wait_mode):
-    w, (r,) = _pair(wait_mode=wait_mode, spin_us=100)
-    err = []
-
-    def blocked():
-        try:
-            r.dequeue(indefinite=True)
-        except RuntimeError as e:
-            err.append(str(e))
-
-    t = threading.Thread(target=blocked)
-    t.start()
-    time.sleep(0.3)            # let it spin out and park
-    r.shutdown()
-    t.join(10)
-    assert not t.is_alive() and err == ["cancelled"]
 
 
 def test_shutdown_stops_busy_reader():

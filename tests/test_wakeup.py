@@ -2,7 +2,6 @@
 parked, a parked writer woken by a reader; every wait mode."""
 from __future__ import annotations
 
-import pickle
 import random
 import threading
 import time
@@ -10,27 +9,15 @@ import time
 import pytest
 
 import _wakeup_children as wc
+from _queues import local_pair, wait_for as _wait_for
 from fastmq import MessageQueue
 
 MODES = ["futex", "zmq", "spin"]
 
 
 def _pair(**kw):
-    w = MessageQueue(1, 1, **kw)
-    r = MessageQueue.create_from_handle(pickle.loads(pickle.dumps(w.export_handle())), 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
+    w, (r,) = local_pair(1, **kw)
     return w, r
-
-
-def _wait_for(pred, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("mode,n_readers", [("futex", 1), ("futex", 4), ("zmq", 1),
@@ -80,8 +67,10 @@ def test_busy_pipeline_issues_no_wake_syscall(procs, spawn_ctx, mode):
     assert w.stats()["wakeups"] == 0
 
 
-@pytest.mark.parametrize("mode", ["futex", "zmq"])
+@pytest.mark.parametrize("mode", MODES)
 def test_shutdown_while_parked(mode):
+    """Parked (futex, zmq) or spinning (spin): shutdown() from another thread
+    makes the blocked dequeue raise at once."""
     w, r = _pair(wait_mode=mode, spin_us=0)
     r._ring.park_slice_ns = wc.NO_SAFETY_NET_NS
     err = []
@@ -94,7 +83,10 @@ def test_shutdown_while_parked(mode):
 
     t = threading.Thread(target=blocked)
     t.start()
-    _wait_for(lambda: r._ring.parked_readers == 1)
+    if mode == "spin":
+        time.sleep(0.2)
+    else:
+        _wait_for(lambda: r._ring.parked_readers == 1)
     r.shutdown()
     t.join(10)
     assert not t.is_alive() and err == ["cancelled"]

@@ -6,13 +6,12 @@ tests/test_arena.py; this file runs it for real where CUDA exists."""
 from __future__ import annotations
 
 import gc
-import pickle
-import threading
 
 import pytest
 import torch
 
-from fastmq import MessageQueue, _cuda
+from _queues import local_pair
+from fastmq import _cuda
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -20,12 +19,7 @@ MiB = 1 << 20
 
 
 def _pair(**kw):
-    w = MessageQueue(1, 1, arena_slots=4, arena_slot_mb=8, arena_min_mb=1, **kw)
-    r = MessageQueue.create_from_handle(pickle.loads(pickle.dumps(w.export_handle())), 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
+    w, (r,) = local_pair(1, arena_slots=4, arena_slot_mb=8, arena_min_mb=1, **kw)
     return w, r
 
 

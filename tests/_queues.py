@@ -1,0 +1,30 @@
+"""Building handshaken queues inside one test process."""
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+from fastmq import MessageQueue
+
+
+def local_pair(n_local: int = 1, **kw):
+    """A writer and ``n_local`` in-process readers, handshaken.  The handle
+    goes through pickle, as it does between processes."""
+    w = MessageQueue(n_local, n_local, **kw)
+    h = pickle.loads(pickle.dumps(w.export_handle()))
+    rs = [MessageQueue.create_from_handle(h, r) for r in range(n_local)]
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    for r in rs:
+        r.wait_until_ready()
+    t.join(10)
+    return w, rs
+
+
+def wait_for(pred, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached")
+        time.sleep(0.005)
