@@ -18,6 +18,17 @@ from fastmq.cleanup import cleanup
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # The .pth hook registers fastmq.vllm._hook before fastmq.vllm itself is
+    # imported; importing the subpackage on first access keeps
+    # ``import fastmq.vllm._hook as h`` working in such a process.
+    if name == "vllm":
+        import importlib
+
+        return importlib.import_module("fastmq.vllm")
+    raise AttributeError(f"module 'fastmq' has no attribute {name!r}")
+
 __all__ = [
     "MessageQueue",
     "Handle",

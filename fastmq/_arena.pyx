@@ -645,9 +645,13 @@ cdef class Arena:
         # written = 0 while the bytes change: a stale descriptor for this
         # slot is refused by readers from here on.
         fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_WRITTEN), 0)
+        # Taken before the GIL is released for the copy, so that
+        # empty_tensor() on another thread cannot claim this slot meanwhile.
+        self.in_message[slot] = 1
         with nogil:
             err = fmq_arena_copy(dst, src, nbytes, cold_from, threads, min_part, &used)
         if err:
+            self.in_message[slot] = 0
             self.n_nomem += 1
             if not self.logged_nomem:
                 self.logged_nomem = True
@@ -721,7 +725,14 @@ cdef class Arena:
             self.n_empty_miss += 1
             return None
         slot = self.claim()
-        if slot < 0 or self.populate_for_use(slot, nbytes) != 0:
+        if slot < 0:
+            self.n_empty_miss += 1
+            return None
+        # Held before populate_for_use releases the GIL, so that an enqueue
+        # on another thread cannot copy into this slot meanwhile.
+        self.reserved[slot] += 1
+        if self.populate_for_use(slot, nbytes) != 0:
+            self.reserved[slot] -= 1
             self.n_empty_miss += 1
             return None
         cdef SlotBuffer sb = SlotBuffer.__new__(SlotBuffer)
@@ -730,7 +741,6 @@ cdef class Arena:
         sb.nbytes = nbytes
         sb.slot = slot
         sb.writer_side = True
-        self.reserved[slot] += 1
         self.n_empty += 1
         return sb
 

@@ -26,6 +26,8 @@ cdef class Ring:
     cdef public int64_t park_slice_ns
     # Wake syscalls this end issued (a busy pipeline should issue none).
     cdef readonly uint64_t wakeups
+    # Chunks this writer end published (see Ring.publish).
+    cdef readonly uint64_t n_published
     cdef object data_view
     cdef object __weakref__
     cdef object loads
@@ -43,6 +45,7 @@ cdef class Ring:
     cdef int publish(self, int idx) except -1
     cdef int release_chunk(self, int idx) except -1
     cdef inline int _check_open(self) except -1
+    cdef inline int _check_idx(self, int idx) except -1
     cdef int park_zmq(self, int idx, bint writer, int64_t timeout_ns) except -1
     cdef int _slice(self, int64_t start, int64_t deadline, int64_t *next_warn,
                     int64_t warn_ns, bint writer, int idx) except -1

@@ -321,11 +321,16 @@ cdef class Ring:
         cdef double t_s
         if timeout is not None:
             t_s = timeout
-            deadline = start + <int64_t>(max(t_s, 0.0) * 1e9)
-        cdef int64_t warn_ns = <int64_t>(self.warn_interval * 1e9)
+            # inf, nan or beyond ~285 years: no deadline (the cast would
+            # overflow into the past).
+            if t_s < 9.0e9:
+                deadline = start + <int64_t>(max(t_s, 0.0) * 1e9)
+        cdef int64_t warn_ns = (<int64_t>(self.warn_interval * 1e9)
+                                if 0 < self.warn_interval < 9.0e9 else 0)
         cdef int64_t next_warn = start + warn_ns if (warn and warn_ns > 0) else INT64_MAX
         cdef int mode = self.wait_mode
-        cdef int64_t spin_end = INT64_MAX if mode == WAIT_SPIN else start + self.spin_ns
+        cdef int64_t spin_end = (INT64_MAX if mode == WAIT_SPIN or self.spin_ns > 10**15
+                                 else start + self.spin_ns)
         cdef int64_t now, until
         cdef int r
         # A ZMQ-mode writer has no socket to park on: it spins with yields.
@@ -397,12 +402,21 @@ cdef class Ring:
         for r in range(self.n_reader):
             fmq_store_u8_rel(m + 1 + r, 0)
         fmq_store_u8_rel(m, 1)
+        # Counted here, in C, right after the release: the caller tells
+        # "published" from "not" by this counter, and no Python exception
+        # can land between the two.
+        self.n_published += 1
         self.current_idx = (idx + 1) % self.max_chunks
         fmq_fence_seq()
         if fmq_load_u32_seq(self.readers_parked) != 0:
             self.wakeups += 1
             if self.wait_mode == WAIT_ZMQ:
-                self.hooks.notify_zmq()
+                try:
+                    self.hooks.notify_zmq()
+                except Exception:
+                    # Already published: a failed notify must not fail the
+                    # send; a parked reader re-checks within a park slice.
+                    pass
             else:
                 fmq_add_u32_seq(self.read_seq, 1)
                 fmq_futex_wake_all(self.read_seq)
@@ -421,7 +435,16 @@ cdef class Ring:
         fmq_store_u8_rel(self.meta(idx), 0)
         return idx
 
+    cdef inline int _check_idx(self, int idx) except -1:
+        if not (0 <= idx < self.max_chunks):
+            raise IndexError("chunk index %d out of range 0..%d" % (idx, self.max_chunks - 1))
+        return 0
+
     def publish_chunk(self, int idx):
+        self._check_open()
+        self._check_idx(idx)
+        if self.reader_rank >= 0:
+            raise RuntimeError("only the writer end publishes chunks")
         self.publish(idx)
 
     def send(self, list buffers, timeout=None):
@@ -502,6 +525,10 @@ cdef class Ring:
 
     def release_read(self, int idx):
         """Mark chunk ``idx`` read by this reader."""
+        self._check_open()
+        self._check_idx(idx)
+        if self.reader_rank < 0:
+            raise RuntimeError("only a reader end marks chunks read")
         self.release_chunk(idx)
 
     def chunk_view(self, int idx):
@@ -518,6 +545,8 @@ cdef class Ring:
 
         Every length and count is checked against the chunk's bounds first.
         """
+        self._check_open()
+        self._check_idx(idx)
         cdef char *c = self.chunk(idx)
         cdef uint8_t overflow = (<uint8_t *>c)[0]
         if overflow == 1:
@@ -550,6 +579,11 @@ cdef class Ring:
         for i in range(1, <Py_ssize_t>n):
             ln = (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0]
             off = (off + 7) & ~(<uint64_t>7)
+            # Re-checked at the point of use: a length rewritten since the
+            # first pass must not read past the chunk.
+            if off > cap or ln > cap - off:
+                raise CorruptChunkError("fastmq ring chunk %d: buffer %d changed while "
+                                        "being read" % (idx, i))
             ba = PyByteArray_FromStringAndSize(NULL, ln)
             dst = PyByteArray_AS_STRING(ba)
             with nogil:
@@ -607,6 +641,8 @@ cdef class Ring:
 
     def unread_readers(self, int idx):
         """Ranks that have not read chunk ``idx`` (for the long-wait log)."""
+        self._check_open()
+        self._check_idx(idx)
         cdef uint8_t *m = self.meta(idx)
         if fmq_load_u8_acq(m) == 0:
             return []

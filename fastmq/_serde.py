@@ -74,52 +74,74 @@ def _base_dispatch_table() -> dict:
     return table
 
 
+class _DivertingPickler(pickle.Pickler):
+    """A pickler whose ``reducer_override`` is a given callable.
+
+    It is set as an instance attribute before ``Pickler.__init__`` (which
+    looks it up once): no class per queue, and no reference cycle that would
+    keep the arena's mapping alive until a GC pass."""
+
+    def __init__(self, file, reducer_override, **kw):
+        self.reducer_override = reducer_override
+        super().__init__(file, **kw)
+
+
+class _Sink:
+    """Collects one message's out-of-band buffers (the pickler's
+    ``buffer_callback``).  Separate from the Encoder so that the pickler does
+    not reference the object that owns it."""
+
+    __slots__ = ("buffers", "divert", "oob_min")
+
+    def __init__(self, divert, oob_min: int):
+        self.buffers: list = [b""]
+        self.divert = divert
+        self.oob_min = oob_min
+
+    def on_buffer(self, buf: PickleBuffer) -> bool:
+        if self.divert is not None:
+            desc = self.divert(buf)
+            if desc is not None:
+                self.buffers.append(desc)
+                return False
+        raw = buf.raw()
+        if raw.nbytes < self.oob_min:
+            return True  # serialise in band
+        self.buffers.append(raw)
+        return False
+
+
 class Encoder:
     """Turns an object into ``[pickle stream, oob buffer, ...]``.
 
     ``diverter`` (the tensor arena) may claim large buffers first: its
     ``divert_buffer(buf)`` is asked for every ``PickleBuffer`` and may return
     a small descriptor to send out of band instead of the bytes, and its
-    ``reducer_override(obj)`` is the pickler's (see ``fastmq._arena``).
+    ``reducer_override(obj)`` is the pickler's (see ``fastmq._arena``): the
+    bound (Cython) method itself, since the pickler calls it for every object
+    that is not a builtin container or atom.
     """
 
     def __init__(self, diverter: Any = None, oob_min_bytes: int = OOB_MIN_BYTES):
         self._bio = io.BytesIO()
-        self._buffers: list = [b""]
-        self._oob_min = oob_min_bytes
         self._copyreg_len = len(copyreg.dispatch_table)
-        self._divert = None
+        self._reducer_override = None
+        divert = None
         if diverter is not None:
-            # The diverter's bound (Cython) method itself, not a Python
-            # wrapper around it: the pickler calls it for every object that is
-            # not a builtin container or atom.
-            pickler_cls = type(
-                "_DivertingPickler",
-                (pickle.Pickler,),
-                {"reducer_override": staticmethod(diverter.reducer_override)},
-            )
-            self._divert = getattr(diverter, "divert_buffer", None)
-        else:
-            pickler_cls = pickle.Pickler
-        self._pickler_cls = pickler_cls
+            self._reducer_override = diverter.reducer_override
+            divert = getattr(diverter, "divert_buffer", None)
+        self._sink = _Sink(divert, oob_min_bytes)
         self._pickler = self._new_pickler()
 
     def _new_pickler(self):
-        p = self._pickler_cls(self._bio, protocol=5, buffer_callback=self._on_buffer)
+        cb = self._sink.on_buffer
+        if self._reducer_override is not None:
+            p = _DivertingPickler(self._bio, self._reducer_override, protocol=5,
+                                  buffer_callback=cb)
+        else:
+            p = pickle.Pickler(self._bio, protocol=5, buffer_callback=cb)
         p.dispatch_table = _base_dispatch_table()
         return p
-
-    def _on_buffer(self, buf: PickleBuffer) -> bool:
-        if self._divert is not None:
-            desc = self._divert(buf)
-            if desc is not None:
-                self._buffers.append(desc)
-                return False
-        raw = buf.raw()
-        if raw.nbytes < self._oob_min:
-            return True  # serialise in band
-        self._buffers.append(raw)
-        return False
 
     def encode(self, obj: Any) -> list:
         if len(copyreg.dispatch_table) != self._copyreg_len:
@@ -129,7 +151,8 @@ class Encoder:
         bio = self._bio
         bio.seek(0)
         bio.truncate()
-        buffers = self._buffers = [b""]
+        sink = self._sink
+        buffers = sink.buffers = [b""]
         pickler = self._pickler
         try:
             pickler.dump(obj)
@@ -140,8 +163,8 @@ class Encoder:
             raise
         finally:
             pickler.clear_memo()
+            sink.buffers = None
         buffers[0] = bio.getvalue()
-        self._buffers = [b""]
         return buffers
 
 

@@ -192,10 +192,12 @@ def attach_error(name: str) -> str | None:
 
 
 # -- ends ------------------------------------------------------------------------
-def _close_writer(core: Arena) -> None:
+def _close_writer(core: Arena, creator_pid: int) -> None:
     # The name goes now (no new attach); the mapping when the last
     # reference to the core does (the encoder, a writer-side view).
     core.close()
+    if os.getpid() != creator_pid:
+        return  # a forked child must not remove its parent's segment
     segments.forget_segment(core.name)
     try:
         core.segment.unlink()
@@ -240,7 +242,7 @@ class ShmTensorArena:
                 raise
             self.is_creator = True
             self.min_bytes = core.min_bytes
-            self._finalizer = weakref.finalize(self, _close_writer, core)
+            self._finalizer = weakref.finalize(self, _close_writer, core, os.getpid())
             if prefault == "all":
                 core.prefault(range(n_slots))
             elif isinstance(prefault, int) and prefault > 0:

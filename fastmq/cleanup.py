@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import struct
 import tempfile
 
@@ -57,8 +58,15 @@ _RING_HEAD_BYTES = 88
 def ring_creator(path: str) -> tuple[int, int] | None:
     """(pid, start time) from the header of the ring segment at ``path``,
     or None when the file is not a complete fastmq ring."""
-    with open(path, "rb") as f:
-        head = f.read(_RING_HEAD_BYTES)
+    # No following links, no blocking on a FIFO someone planted under our
+    # prefix: only a regular file can be a ring.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.read(fd, _RING_HEAD_BYTES)
+    finally:
+        os.close(fd)
     if len(head) < _RING_HEAD_BYTES:
         return None
     magic, version = _RING_HEAD.unpack_from(head, 0)
@@ -124,7 +132,14 @@ def _candidates():
             yield path, "bind", lambda pid=int(m[1]): _proc.is_alive(pid)
 
 
+_KIND_MODE = {"segment": stat.S_ISREG, "ipc": stat.S_ISSOCK, "bind": stat.S_ISDIR}
+
+
 def _remove(path: str, kind: str) -> None:
+    # lstat: a symlink or a file of the wrong type under our prefix (in a
+    # world-writable directory, possibly planted) is never acted on.
+    if not _KIND_MODE[kind](os.lstat(path).st_mode):
+        raise OSError(errno.EPERM, f"not a fastmq {kind} (wrong file type)", path)
     if kind != "bind":
         os.unlink(path)
         return

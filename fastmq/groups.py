@@ -112,10 +112,17 @@ def create_from_process_group(cls, pg, max_chunk_bytes, max_chunks, writer_rank=
 def create_from_process_group_single_reader(cls, pg, max_chunk_bytes, max_chunks,
                                             reader_rank=0, blocking=False):
     ops = _Ops(pg)
-    status = same_node_as(ops, reader_rank)
+    # As in vLLM, ``reader_rank`` is a *global* rank here (parallel_state
+    # passes GroupCoordinator.ranks[i]); create_from_process_group's
+    # ``writer_rank`` is a group rank.
+    if reader_rank not in ops.global_ranks:
+        raise ValueError(f"reader_rank {reader_rank} is not a rank of this group "
+                         f"(global ranks {ops.global_ranks})")
+    reader = ops.global_ranks.index(reader_rank)
+    status = same_node_as(ops, reader)
     mq = cls(n_reader=1, n_local_reader=1 if status[ops.rank] else 0,
              max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks)
     handles = ops.all_gather(mq.export_handle())
     if blocking:
         mq.wait_until_ready()
-    return mq, (handles if ops.rank == reader_rank else [])
+    return mq, (handles if ops.rank == reader else [])

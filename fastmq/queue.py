@@ -10,6 +10,7 @@ a ZMQ XPUB socket); remote readers get it over TCP.  The hot state lives in
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from contextlib import contextmanager
@@ -137,6 +138,10 @@ class _RingHooks:
                         self._ring.reader_rank, elapsed, self._ring.writer_pid)
 
     def check_peers(self, writer: bool, idx: int) -> None:
+        ring = self._ring
+        if not writer and ring.writer_closed and not ring.ready(idx, False):
+            # One acquire load: checked on every slice, not throttled.
+            raise RuntimeError(self.writer_gone())
         now = time.monotonic()
         if now < self._next_peer_check:
             return
@@ -453,10 +458,11 @@ class MessageQueue:
         self.shutting_down = True
         ring = self._ring
         if ring is not None:
-            ring.cancel()
             if self._is_writer:
+                # Before the wake, so that woken readers see it.
                 ring.mark_closed()
-            elif ring.wait_mode == WAIT_ZMQ:
+            ring.cancel()
+            if not self._is_writer and ring.wait_mode == WAIT_ZMQ:
                 try:
                     self._cancel_send.send(b"\x00", zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -508,6 +514,8 @@ class MessageQueue:
         if not self._is_writer:
             raise RuntimeError("Only writers can enqueue")
         arena = self.tensor_arena
+        ring = self._ring
+        published = ring.n_published if ring is not None else 0
         try:
             buffers = self._encoder.encode(obj)
             stats = self._stats
@@ -534,9 +542,14 @@ class MessageQueue:
                 stats.remote_bytes += sum(memoryview(b).nbytes for b in buffers)
         except BaseException:
             if arena is not None:
-                # The arena slots this message filled were never published
-                # to a reader: they are free again.
-                arena.abort()
+                if ring is not None and ring.n_published != published:
+                    # The chunk naming these slots is out (the error came
+                    # after it, e.g. on the overflow socket): readers own
+                    # the slots now and release them.
+                    arena.commit()
+                else:
+                    # Never published to a reader: the slots are free again.
+                    arena.abort()
             raise
         if arena is not None:
             arena.commit()
@@ -559,7 +572,8 @@ class MessageQueue:
         raise RuntimeError("Only readers can dequeue")
 
     def _recv_socket(self, sock, timeout: float | None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        deadline = (None if timeout is None or not math.isfinite(timeout)
+                    else time.monotonic() + max(timeout, 0.0))
         writer_dead = False
         while True:
             if self.shutting_down:

@@ -141,6 +141,7 @@ class ShmRingBuffer:
                 seg.close()
                 raise
             self.segment = seg
+            self._creator_pid = os.getpid()
         else:
             self.is_creator = False
             try:
@@ -191,7 +192,9 @@ class ShmRingBuffer:
         if self.ring is not None:
             self.ring.close()
         if self.segment is not None:
-            if self.is_creator:
+            # A forked child inherits this object but must not remove its
+            # parent's segment.
+            if self.is_creator and getattr(self, "_creator_pid", None) == os.getpid():
                 forget_segment(self.segment.name)
                 self.segment.unlink()
             self.segment.close()

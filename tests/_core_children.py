@@ -79,6 +79,36 @@ def slow_reader(handle, rank, pause, count, result_q):
     result_q.put(got)
 
 
+def gloo_subgroup_single_reader(rank, world, init_file, result_q):
+    """Ranks 1 and 2 form a subgroup; its reader is named by *global* rank 1,
+    as vLLM's parallel_state does."""
+    import torch.distributed as dist
+
+    from fastmq import MessageQueue
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        sub = dist.new_group([1, 2])
+        if rank in (1, 2):
+            mq, handles = MessageQueue.create_from_process_group_single_reader(
+                sub, 1 << 20, 4, reader_rank=1)
+            if rank == 1:
+                # handles[0] is the reader's own queue; read rank 2's.
+                r = MessageQueue.create_from_handle(handles[1], 0)
+                r.wait_until_ready()
+                result_q.put((rank, (len(handles), r.dequeue(timeout=30))))
+            else:
+                mq.wait_until_ready()
+                mq.enqueue("from global rank 2")
+                result_q.put((rank, (len(handles), None)))
+        else:
+            result_q.put((rank, None))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def gloo_main(rank, world, init_file, result_q, single_reader):
     import torch.distributed as dist
 

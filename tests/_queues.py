@@ -19,6 +19,7 @@ def local_pair(n_local: int = 1, **kw):
     for r in rs:
         r.wait_until_ready()
     t.join(10)
+    assert not t.is_alive(), "writer handshake did not finish"
     return w, rs
 
 

@@ -32,8 +32,10 @@ def _creator(path: str) -> int:
 
 def _fastmq_files() -> set[str]:
     shm = set(glob.glob("/dev/shm/fastmq_*"))
-    ipc = set(glob.glob(os.path.join(tempfile.gettempdir(), "fastmq_*.ipc")))
-    return {p for p in shm | ipc if _creator(p) in OUR_PIDS}
+    tmp = tempfile.gettempdir()
+    ipc = set(glob.glob(os.path.join(tmp, "fastmq_*.ipc")))
+    binds = set(glob.glob(os.path.join(tmp, "fastmq_*.bind")))
+    return {p for p in shm | ipc | binds if _creator(p) in OUR_PIDS}
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -137,9 +138,10 @@ def test_headerless_files_fall_back_to_pid_liveness():
     ipc_dead = os.path.join(TMP, f"fastmq_{dead}_{secrets.token_hex(6)}.ipc")
     ipc_live = os.path.join(TMP, f"fastmq_{os.getpid()}_{secrets.token_hex(6)}.ipc")
     bind_dir = tempfile.mkdtemp(prefix=f"fastmq_{dead}_", suffix=".bind")
-    for f in (ipc_dead, ipc_live):
-        open(f, "w").close()
-    open(os.path.join(bind_dir, "s"), "w").close()
+    for f in (ipc_dead, ipc_live, os.path.join(bind_dir, "s")):
+        # A socket file nobody listens on, as a killed process leaves it.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(f)
     try:
         removed = set(fastmq.cleanup())
         assert {f"/dev/shm/{gone.name}", f"/dev/shm/{half.name}", ipc_dead, bind_dir} <= removed
@@ -152,6 +154,27 @@ def test_headerless_files_fall_back_to_pid_liveness():
             seg.close()
         for f in (ipc_dead, ipc_live):
             if os.path.exists(f):
+                os.unlink(f)
+        shutil.rmtree(bind_dir, ignore_errors=True)
+
+
+def test_planted_files_of_the_wrong_type_are_left_alone():
+    """A symlink or FIFO under our prefix (world-writable directories) is
+    never followed, opened blocking, or removed."""
+    dead = _dead_pid()
+    link = os.path.join(TMP, f"fastmq_{dead}_{secrets.token_hex(6)}.ipc")
+    target = os.path.join(TMP, f"victim_{secrets.token_hex(6)}")
+    open(target, "w").close()
+    os.symlink(target, link)
+    fifo = f"/dev/shm/fastmq_{dead}_ring_{secrets.token_hex(6)}"
+    os.mkfifo(fifo)
+    try:
+        removed = fastmq.cleanup()          # must not hang on the FIFO
+        assert link not in removed and fifo not in removed
+        assert os.path.exists(target) and os.path.lexists(link) and os.path.exists(fifo)
+    finally:
+        for f in (link, target, fifo):
+            if os.path.lexists(f):
                 os.unlink(f)
 
 

@@ -305,3 +305,21 @@ def test_hostile_tensor_stub_with_empty_buffer_raises():
     with pytest.raises(pickle.UnpicklingError, match="empty buffer"):
         rebuild_tensor(b"", (1 << 40,), "float32")
     assert rebuild_tensor(b"", (0, 3), "bfloat16").shape == (0, 3)
+
+
+def test_single_reader_names_a_global_rank(procs, spawn_ctx, tmp_path):
+    q = spawn_ctx.Queue()
+    init = tmp_path / "gloo_init"
+    for rank in range(3):
+        procs.start(cc.gloo_subgroup_single_reader, rank, 3, str(init), q)
+    results = dict(q.get(timeout=120) for _ in range(3))
+    procs.join_all(timeout=60)
+    assert results == {0: None, 1: (2, "from global rank 2"), 2: (0, None)}
+
+
+def test_infinite_timeout_waits_instead_of_expiring():
+    w, (r,) = _pair(spin_us=0)
+    threading.Timer(0.3, w.enqueue, args=("late",)).start()
+    assert r.dequeue(timeout=float("inf")) == "late"
+    threading.Timer(0.3, w.enqueue, args=(b"x" * (25 << 20),)).start()   # overflow path
+    assert len(r.dequeue(timeout=1e12)) == 25 << 20

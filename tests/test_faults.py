@@ -203,7 +203,7 @@ def test_long_wait_log_names_readers_behind(monkeypatch, caplog):
     writer.enqueue("x")
     assert r0.dequeue(timeout=5) == "x"        # rank 1 stays behind
     with pytest.raises(TimeoutError):
-        writer.enqueue("y", timeout=1.5)
+        writer.enqueue("y", timeout=3)
     lines = [r.getMessage() for r in caplog.records if r.name == "fastmq"]
     behind = [m for m in lines if "Readers that have not read chunk 0" in m]
     assert behind, lines
