@@ -252,6 +252,7 @@ class MessageQueue:
         sockets: list = []
         paths: list[str] = []
         self._ring = None
+        self._notify_socket = None
         self.buffer = None
         self.local_socket = None
         self.remote_socket = None
@@ -271,7 +272,11 @@ class MessageQueue:
                 paths.append(path)
                 notify = None
                 if ring.wait_mode == WAIT_ZMQ:
-                    notify = context.socket(zmq.PUB)
+                    # XPUB, not PUB: wait_until_ready() waits for every
+                    # reader's subscription here too, since a notify sent
+                    # before it arrives would be dropped (a lost wakeup).
+                    notify = context.socket(zmq.XPUB)
+                    notify.setsockopt(zmq.XPUB_VERBOSE, True)
                     sockets.append(notify)
                     # Default high-water mark on purpose: with SNDHWM=1 a
                     # notify sent before the socket has processed the previous
@@ -281,6 +286,7 @@ class MessageQueue:
                     local_notify_addr, path = _net.bind_ipc(notify)
                     paths.append(path)
                 ring.hooks = _RingHooks(ring, notify_socket=notify)
+                self._notify_socket = notify
                 self.tensor_arena = self._make_arena(enable_shm_tensor_arena, arena_options)
             elif arena_options:
                 raise TypeError(f"unexpected arguments {sorted(arena_options)}")
@@ -440,6 +446,9 @@ class MessageQueue:
         if self._is_writer:
             for _ in range(self.n_local_reader):
                 self.local_socket.recv()
+            if self._notify_socket is not None:
+                for _ in range(self.n_local_reader):
+                    self._notify_socket.recv()
             if self.n_local_reader > 0:
                 self.local_socket.send(b"READY")
             for _ in range(self.n_remote_reader):
