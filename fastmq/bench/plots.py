@@ -25,6 +25,27 @@ def _by(records, scenario):
     return rs, impls, ns
 
 
+def _vs_size(plt, rs, impls, ns, unit: int, log: bool, xlabel: str, ylabel: str,
+             title: str):
+    """p50 against size, one line per implementation, one panel per N."""
+    fig, axes = plt.subplots(1, len(ns), figsize=(5.5 * len(ns), 4), squeeze=False)
+    for ax, n in zip(axes[0], ns):
+        for impl in impls:
+            pts = sorted((r["size_bytes"] / unit, r["p50"]) for r in rs
+                         if r["impl"] == impl and r["n_readers"] == n)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        if log:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}, N={n}")
+        ax.grid(True, which="both" if log else "major", alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
 def _cdf(ax, samples_ns, label, scale):
     v = sorted(x / scale for x in samples_ns)
     if not v:
@@ -70,36 +91,14 @@ def write(records: list[dict], out_dir: str) -> list[str]:
             ax.legend(fontsize=8)
         save(fig, "step_latency.png")
 
-        fig, axes = plt.subplots(1, len(ns), figsize=(5.5 * len(ns), 4), squeeze=False)
-        for ax, n in zip(axes[0], ns):
-            for impl in impls:
-                pts = sorted((r["size_bytes"], r["p50"]) for r in rs
-                             if r["impl"] == impl and r["n_readers"] == n)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel("payload (bytes)")
-            ax.set_ylabel("p50 round trip (us)")
-            ax.set_title(f"step: time vs payload, N={n}")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
+        fig = _vs_size(plt, rs, impls, ns, 1, True, "payload (bytes)",
+                       "p50 round trip (us)", "step: time vs payload")
         save(fig, "step_vs_size.png")
 
     rs, impls, ns = _by(records, "tensor")
     if rs:
-        fig, axes = plt.subplots(1, len(ns), figsize=(5.5 * len(ns), 4), squeeze=False)
-        for ax, n in zip(axes[0], ns):
-            for impl in impls:
-                pts = sorted((r["size_bytes"] / (1 << 20), r["p50"]) for r in rs
-                             if r["impl"] == impl and r["n_readers"] == n)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-            ax.set_xlabel("tensor (MiB)")
-            ax.set_ylabel("p50 per message (ms)")
-            ax.set_title(f"tensor: time vs size, N={n}")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
+        fig = _vs_size(plt, rs, impls, ns, 1 << 20, False, "tensor (MiB)",
+                       "p50 per message (ms)", "tensor: time vs size")
         save(fig, "tensor_vs_size.png")
 
     rs, impls, ns = _by(records, "wake")
