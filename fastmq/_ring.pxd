@@ -46,6 +46,7 @@ cdef class Ring:
     cdef int release_chunk(self, int idx) except -1
     cdef inline int _check_open(self) except -1
     cdef inline int _check_idx(self, int idx) except -1
+    cdef object _decode(self, int idx)
     cdef int park_zmq(self, int idx, bint writer, int64_t timeout_ns) except -1
     cdef int _slice(self, int64_t start, int64_t deadline, int64_t *next_warn,
                     int64_t warn_ns, bint writer, int idx) except -1

@@ -547,6 +547,10 @@ cdef class Ring:
         """
         self._check_open()
         self._check_idx(idx)
+        return self._decode(idx)
+
+    cdef object _decode(self, int idx):
+        # recv()'s path: a C call, ``idx`` is this end's own current chunk.
         cdef char *c = self.chunk(idx)
         cdef uint8_t overflow = (<uint8_t *>c)[0]
         if overflow == 1:
@@ -600,7 +604,7 @@ cdef class Ring:
         cdef int idx = self.current_idx
         self.wait(idx, False, timeout, not indefinite)
         try:
-            frames = self.decode(idx)
+            frames = self._decode(idx)
             if frames is None:
                 return OVERFLOW
             stream, oob = frames
