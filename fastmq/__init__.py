@@ -9,6 +9,7 @@
     writer.enqueue({"step": 1});  reader.dequeue()
 """
 from fastmq._ring import CorruptChunkError, SegmentMismatchError
+from fastmq._shm import ShmFullError
 from fastmq.queue import (LONG_WAIT_TIME_LOG_MSG, BufferHandle, Handle,
                           HandleMismatchError, MessageQueue)
 from fastmq.segments import SHM_PATH, ShmRingBuffer, check_shm_free_space
@@ -38,6 +39,7 @@ __all__ = [
     "SHM_PATH",
     "CorruptChunkError",
     "SegmentMismatchError",
+    "ShmFullError",
     "HandleMismatchError",
     "LONG_WAIT_TIME_LOG_MSG",
     "cleanup",

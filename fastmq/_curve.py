@@ -1,6 +1,7 @@
 """ZMQ CURVE for the remote (TCP) path: encryption and client authentication.
 
-Off by default (vLLM's remote readers speak plain ZMTP).  When on, the
+On by default (``FASTMQ_CURVE=0`` or ``remote_curve=False`` turns it off,
+e.g. to speak plain ZMTP like vLLM's own remote readers).  When on, the
 writer's XPUB is a CURVE server with a fresh keypair, and a ZAP handler
 admits only one client key, also fresh.  Both travel in the queue's
 ``Handle`` (``remote_curve_keys``), which is handed to readers over the
@@ -14,11 +15,15 @@ out of ``repr`` so the debug log of the handle does not print the secret.
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import NamedTuple
 
 import zmq
 
 from fastmq import _config
+
+logger = logging.getLogger("fastmq")
 
 
 class CurveKeys(NamedTuple):
@@ -29,14 +34,32 @@ class CurveKeys(NamedTuple):
     client_secret: bytes
 
 
+_warned_no_curve = False
+
+
 def wanted(flag: bool | None) -> bool:
-    """The constructor's ``remote_curve``, else ``FASTMQ_CURVE`` (default off)."""
+    """The constructor's ``remote_curve``, else ``FASTMQ_CURVE`` (default on).
+
+    On by default because the remote path is a TCP port: without CURVE, any
+    client that reaches it first is counted as the remote reader and
+    receives every message.  Where libzmq lacks CURVE, the default falls
+    back to plain TCP with one warning; asking for it explicitly raises."""
+    global _warned_no_curve
+    explicit = flag is not None or bool(os.environ.get("FASTMQ_CURVE", "").strip())
     if flag is None:
-        flag = _config.env_bool("FASTMQ_CURVE", False)
+        flag = _config.env_bool("FASTMQ_CURVE", True)
     if flag and not zmq.has("curve"):
-        raise RuntimeError(
-            "fastmq: remote_curve / FASTMQ_CURVE=1 asks for CURVE encryption, but "
-            f"this libzmq ({zmq.zmq_version()}) was built without CURVE support")
+        if explicit:
+            raise RuntimeError(
+                "fastmq: remote_curve / FASTMQ_CURVE=1 asks for CURVE encryption, but "
+                f"this libzmq ({zmq.zmq_version()}) was built without CURVE support")
+        if not _warned_no_curve:
+            _warned_no_curve = True
+            logger.warning(
+                "fastmq: this libzmq (%s) has no CURVE support: remote readers use "
+                "plain, unauthenticated TCP (set FASTMQ_CURVE=0 to silence this)",
+                zmq.zmq_version())
+        return False
     return bool(flag)
 
 

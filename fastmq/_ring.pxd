@@ -28,6 +28,15 @@ cdef class Ring:
     cdef readonly uint64_t wakeups
     # Chunks this writer end published (see Ring.publish).
     cdef readonly uint64_t n_published
+    # Wakeups the ZMQ notify failed to send, and the last such error.
+    cdef readonly uint64_t notify_errors
+    cdef readonly object last_notify_error
+    # Message id of the overflow mark that recv() last returned OVERFLOW for.
+    cdef readonly uint64_t overflow_id
+    # Writer: bytes of each chunk reserved in /dev/shm so far.
+    cdef Py_ssize_t *reserved
+    # Reader: this end holds its reader slot (claim_reader).
+    cdef bint claimed
     cdef object data_view
     cdef object __weakref__
     cdef object loads
@@ -44,6 +53,8 @@ cdef class Ring:
     cdef int wait(self, int idx, bint writer, object timeout, bint warn) except -1
     cdef int publish(self, int idx) except -1
     cdef int release_chunk(self, int idx) except -1
+    cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1
+    cdef int release_claim(self) noexcept
     cdef inline int _check_open(self) except -1
     cdef inline int _check_idx(self, int idx) except -1
     cdef object _decode(self, int idx)

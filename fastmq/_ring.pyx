@@ -19,7 +19,18 @@ Chunk framing::
 
 buffer 0 is the pickle stream, the others out-of-band buffers; each buffer
 starts 8-byte aligned.  ``overflow == 1`` means the payload travels on the
-ZMQ socket and the chunk only orders it.
+ZMQ socket and the chunk only orders it::
+
+    [u8 1][3 pad][u32 0][u64 message id]
+
+The id names the socket message that carries the payload, so that a reader
+can never pair a mark with another message's payload.  A reader leaves the
+mark's chunk unread until that payload has arrived: a reader that times out
+in between finds the same mark again on its next call.
+
+The writer reserves a chunk's pages in /dev/shm (``Segment.reserve``) before
+it first writes that far into the chunk: a full tmpfs then fails the send
+with ``ShmFullError`` instead of killing the writer with SIGBUS.
 
 Flag protocol (single writer, n readers; same states as vLLM's ring)::
 
@@ -48,15 +59,16 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport INT64_MAX, uint8_t, uint32_t, uint64_t, int64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from fastmq._native.atomic cimport (
-    fmq_add_u32_seq, fmq_cpu_relax, fmq_fence_seq, fmq_futex_wait,
+    fmq_cas_u32, fmq_add_u32_seq, fmq_cpu_relax, fmq_fence_seq, fmq_futex_wait,
     fmq_futex_wake_all, fmq_have_futex, fmq_load_u8_acq, fmq_load_u32_acq,
     fmq_load_u32_seq, fmq_now_ns, fmq_sched_yield, fmq_store_u8_rel,
     fmq_store_u32_rel, fmq_sub_u32_seq, fmq_load_u64_acq, fmq_store_u64_rel)
 from fastmq._shm cimport Segment
+from fastmq._shm import ShmFullError
 
 import os
 
@@ -85,6 +97,8 @@ cdef enum:
     H_READER_SLOTS = 512   # 64 B per reader: u32 pid, pad, u64 start time
     READER_SLOT = 64
     FRAME_HEAD = 8
+    MARK_BYTES = 16
+    RESERVE_STEP = 65536   # pages are reserved in steps of this many bytes
 
 # Wait modes; the Python layer maps names to these.
 WAIT_SPIN = 0
@@ -144,10 +158,15 @@ cdef class Ring:
     """
 
     def __cinit__(self):
+        self.reserved = NULL
         self.park_slice_ns = PARK_SLICE_NS
         self.reader_rank = -1
         self.current_idx = 0
         self.warn_interval = 60.0
+
+    def __dealloc__(self):
+        free(self.reserved)
+        self.reserved = NULL
 
     @staticmethod
     def create(Segment seg, int n_reader, Py_ssize_t max_chunk_bytes,
@@ -157,6 +176,7 @@ cdef class Ring:
         if seg.size < total:
             raise ValueError("segment of %d bytes is smaller than the ring (%d)" % (seg.size, total))
         cdef char *b = <char *>seg.addr
+        seg.reserve(0, data_off, "the ring's header")
         memset(b, 0, data_off)
         _u32(b, H_VERSION)[0] = LAYOUT_VERSION
         _u32(b, H_NREADER)[0] = n_reader
@@ -230,6 +250,11 @@ cdef class Ring:
         self.write_seq = _u32(b, H_WRITE_SEQ)
         self.writer_parked = _u32(b, H_WRITER_PARKED)
         self.reader_rank = reader_rank
+        if reader_rank < 0:
+            # Bytes of each chunk already reserved in /dev/shm (writer only).
+            self.reserved = <Py_ssize_t *>calloc(self.max_chunks, sizeof(Py_ssize_t))
+            if self.reserved == NULL:
+                raise MemoryError()
         self.data_view = memoryview(seg)
         import pickle
         self.loads = pickle.loads
@@ -364,8 +389,14 @@ cdef class Ring:
 
     cdef int _slice(self, int64_t start, int64_t deadline, int64_t *next_warn,
                     int64_t warn_ns, bint writer, int idx) except -1:
-        """Between spin slices and park slices: signals, timeout, logs, peers."""
+        """Between spin slices and park slices: signals, peers, timeout, logs.
+
+        Peers come before the timeout: a caller that polls with short
+        timeouts must still learn that the writer closed the queue or died
+        (the peer check is throttled, so this costs a clock read)."""
         PyErr_CheckSignals()
+        if self.hooks is not None:
+            self.hooks.check_peers(writer, idx)
         cdef int64_t now = fmq_now_ns()
         if now >= deadline:
             raise TimeoutError
@@ -373,8 +404,6 @@ cdef class Ring:
             next_warn[0] += warn_ns
             if self.hooks is not None:
                 self.hooks.long_wait((now - start) / 1e9, writer, idx)
-        if self.hooks is not None:
-            self.hooks.check_peers(writer, idx)
         return 0
 
     def cancel(self):
@@ -413,10 +442,14 @@ cdef class Ring:
             if self.wait_mode == WAIT_ZMQ:
                 try:
                     self.hooks.notify_zmq()
-                except Exception:
+                except Exception as e:
                     # Already published: a failed notify must not fail the
-                    # send; a parked reader re-checks within a park slice.
-                    pass
+                    # send (a parked reader re-checks within a park slice),
+                    # but it is counted and kept for the Python layer to log.
+                    self.notify_errors += 1
+                    # Text, not the exception: its traceback would keep
+                    # the queue's frames (and mapping) alive.
+                    self.last_notify_error = repr(e)
             else:
                 fmq_add_u32_seq(self.read_seq, 1)
                 fmq_futex_wake_all(self.read_seq)
@@ -428,12 +461,32 @@ cdef class Ring:
         return 0
 
     def acquire_write(self, timeout=None):
-        """Wait for the next chunk and return its index (written flag cleared)."""
+        """Wait for the next chunk and return its index (written flag cleared).
+        The caller may write anywhere in the chunk: all of it is reserved."""
         self._check_open()
         cdef int idx = self.current_idx
         self.wait(idx, True, timeout, True)
+        self.reserve_chunk(idx, self.max_chunk_bytes)
         fmq_store_u8_rel(self.meta(idx), 0)
         return idx
+
+    def wait_writable(self, timeout=None):
+        """Wait until the next chunk is free, changing nothing: the next
+        ``send`` or ``send_overflow_mark`` then does not wait."""
+        self._check_open()
+        self.wait(self.current_idx, True, timeout, True)
+
+    cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1:
+        # Steady state: one comparison.  A chunk's reservation only grows,
+        # in RESERVE_STEP steps, so a stream of similar sizes pays one
+        # posix_fallocate per chunk in the ring's lifetime.
+        if nbytes <= self.reserved[idx]:
+            return 0
+        cdef Py_ssize_t want = min(_align(nbytes, RESERVE_STEP), self.max_chunk_bytes)
+        self.segment.reserve(self.data_off + idx * self.max_chunk_bytes, want,
+                             "writing a %d-byte message into ring chunk %d" % (nbytes, idx))
+        self.reserved[idx] = want
+        return 0
 
     cdef inline int _check_idx(self, int idx) except -1:
         if not (0 <= idx < self.max_chunks):
@@ -447,12 +500,20 @@ cdef class Ring:
             raise RuntimeError("only the writer end publishes chunks")
         self.publish(idx)
 
+    def framed_size(self, list buffers):
+        """The bytes ``send(buffers)`` would fill in a chunk."""
+        cdef Py_ssize_t total = FRAME_HEAD + 8 * len(buffers)
+        for b in buffers:
+            total = _align(total, 8) + memoryview(b).nbytes
+        return total
+
     def send(self, list buffers, timeout=None):
         """Frame ``buffers`` into the next chunk and publish it.
 
         Returns the framed size, or 0, touching nothing, when the framed
         message does not fit a chunk (the caller then takes the overflow
-        path).
+        path).  ``ShmFullError`` when /dev/shm cannot back the chunk's
+        pages: nothing is published and the ring stays usable.
         """
         self._check_open()
         cdef Py_ssize_t n = len(buffers)
@@ -474,6 +535,7 @@ cdef class Ring:
                 return 0
             idx = self.current_idx
             self.wait(idx, True, timeout, True)
+            self.reserve_chunk(idx, total)
             c = self.chunk(idx)
             with nogil:
                 fmq_store_u8_rel(self.meta(idx), 0)
@@ -492,13 +554,17 @@ cdef class Ring:
                 PyBuffer_Release(&views[i])
             free(views)
 
-    def send_overflow_mark(self, timeout=None):
-        """Publish a chunk that says: this message is on the socket."""
+    def send_overflow_mark(self, uint64_t msg_id, timeout=None):
+        """Publish a chunk that says: message ``msg_id`` is on the socket."""
         self._check_open()
         cdef int idx = self.current_idx
         self.wait(idx, True, timeout, True)
+        self.reserve_chunk(idx, MARK_BYTES)
         fmq_store_u8_rel(self.meta(idx), 0)
-        self.chunk(idx)[0] = 1
+        cdef char *c = self.chunk(idx)
+        c[0] = 1
+        (<uint32_t *>(c + 4))[0] = 0
+        (<uint64_t *>(c + 8))[0] = msg_id
         self.publish(idx)
 
     def mark_closed(self):
@@ -554,6 +620,7 @@ cdef class Ring:
         cdef char *c = self.chunk(idx)
         cdef uint8_t overflow = (<uint8_t *>c)[0]
         if overflow == 1:
+            self.overflow_id = (<uint64_t *>(c + 8))[0]
             return None
         if overflow != 0:
             raise CorruptChunkError("fastmq ring chunk %d: bad overflow mark %d" % (idx, overflow))
@@ -599,13 +666,18 @@ cdef class Ring:
 
     def recv(self, timeout=None, bint indefinite=False):
         """Wait, decode and unpickle the next message; mark it read even if
-        decoding raises.  Returns the object, or the ``OVERFLOW`` sentinel."""
+        decoding raises.  Returns the object, or the ``OVERFLOW`` sentinel:
+        then ``overflow_id`` names the socket message that carries it, and
+        the chunk stays unread until ``release_read(current_idx)`` (so that
+        a caller that gives up waiting for the payload consumed nothing)."""
         self._check_open()
         cdef int idx = self.current_idx
         self.wait(idx, False, timeout, not indefinite)
+        cdef bint release = True
         try:
             frames = self._decode(idx)
             if frames is None:
+                release = False
                 return OVERFLOW
             stream, oob = frames
             try:
@@ -615,7 +687,8 @@ cdef class Ring:
             finally:
                 stream.release()
         finally:
-            self.release_chunk(idx)
+            if release:
+                self.release_chunk(idx)
 
     # -- peers (header fields other modules read) --------------------------
     @property
@@ -630,12 +703,41 @@ cdef class Ring:
     def writer_closed(self):
         return fmq_load_u32_acq(_u32(self.base, H_WRITER_STATE)) == 2
 
-    def set_reader_identity(self, int rank, uint32_t pid, uint64_t start):
-        if not (0 <= rank < self.n_reader):
-            raise IndexError(rank)
-        cdef char *slot = self.base + H_READER_SLOTS + READER_SLOT * rank
+    def claim_reader(self, uint32_t pid, uint64_t start, is_alive):
+        """Take this end's reader slot for process ``pid``.
+
+        Returns 0, or the pid of another live process that holds the slot
+        (then nothing changed).  ``is_alive(pid, start)`` decides whether a
+        holder left by a dead process may be replaced.  The pid word is
+        swapped atomically, so two processes claiming one rank at the same
+        time cannot both win."""
+        self._check_open()
+        if self.reader_rank < 0:
+            raise RuntimeError("the writer's end has no reader slot")
+        cdef char *slot = self.base + H_READER_SLOTS + READER_SLOT * self.reader_rank
+        cdef uint32_t *word = <uint32_t *>slot
+        cdef uint32_t held
+        while True:
+            held = fmq_load_u32_acq(word)
+            if held != 0 and held != pid and is_alive(held, (<uint64_t *>(slot + 8))[0]):
+                return held
+            if fmq_cas_u32(word, held, pid):
+                break
         (<uint64_t *>(slot + 8))[0] = start
-        fmq_store_u32_rel(<uint32_t *>slot, pid)
+        fmq_fence_seq()
+        self.claimed = True
+        return 0
+
+    cdef int release_claim(self) noexcept:
+        # A clean close frees the rank for a later attach; a crash leaves
+        # the pid, which claim_reader and the writer's peer check see dead.
+        cdef char *slot
+        if self.claimed and self.base != NULL and self.reader_rank >= 0:
+            slot = self.base + H_READER_SLOTS + READER_SLOT * self.reader_rank
+            (<uint64_t *>(slot + 8))[0] = 0
+            fmq_store_u32_rel(<uint32_t *>slot, 0)
+        self.claimed = False
+        return 0
 
     def reader_identity(self, int rank):
         if not (0 <= rank < self.n_reader):
@@ -681,6 +783,7 @@ cdef class Ring:
 
     def close(self):
         """Drop this end's view of the mapping (the Segment unmaps when unused)."""
+        self.release_claim()
         if self.data_view is not None:
             self.data_view.release()
             self.data_view = None

@@ -3,6 +3,7 @@ cdef class Segment:
     cdef readonly Py_ssize_t size
     cdef readonly bint owner
     cdef char *addr
+    cdef int fd
     cdef Py_ssize_t exports
     cdef bint close_pending
     cdef bint unlinked

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
+import os
+import struct
+import threading
 import time
 import weakref
 from contextlib import contextmanager
@@ -36,6 +40,77 @@ LONG_WAIT_TIME_LOG_MSG = (
 )
 
 _RECV_SLICE_MS = 100   # socket waits re-check shutdown at this period
+_FLUSH_SLICE_S = 0.05  # flush waits re-check shutdown and peers at this period
+
+# Socket messages (local overflow payloads and every remote message) are
+#   [header][pickle stream][out-of-band buffer ...][flush pad, if needed]
+# header = (message id, number of payload frames).  Local overflow ids
+# count send attempts, so a payload the writer abandoned (its mark never
+# published) is recognised and skipped; remote ids count committed
+# messages, so a remote reader sees any gap.
+_HEADER = struct.Struct("<QI")
+
+# enqueue() returns only once libzmq has released the message's last frame
+# (MessageTracker).  libzmq's encoder hands a frame of at least two output
+# batches (2 x 8 KiB) to write(2) straight from the frame's memory and
+# releases it only after that write completed: the payload then sits in
+# the kernel's socket buffers or the reader's process, which outlive a
+# killed writer.  A smaller last frame would be released once copied into
+# the encoder's own buffer, before write(2), so a message whose last frame
+# is smaller ends with this pad.  Frames below the pad's size are copied by
+# pyzmq (cheap, and safe against later mutation); larger ones are sent
+# zero-copy and must not change until the tracker is done -- which is
+# before enqueue() returns.
+_FLUSH_MIN = 20 * 1024
+_PAD = bytes(_FLUSH_MIN)
+
+# Queues alive in this process, so that a forked child can disown them.
+_live_queues: "weakref.WeakSet[MessageQueue]" = weakref.WeakSet()
+
+
+def _disown_after_fork() -> None:
+    parent = os.getppid()
+    for q in list(_live_queues):
+        q._forked_from = parent
+
+
+os.register_at_fork(after_in_child=_disown_after_fork)
+
+
+def _tune_data_socket(sock, *, xpub: bool) -> None:
+    """Options every socket that carries messages gets.
+
+    No high-water mark: the ring bounds what a local reader can have
+    outstanding, and the flush wait in enqueue() bounds the remote path to
+    one message in flight, so a limit could only ever drop (XPUB) a message
+    whose enqueue() had returned.  NODROP makes any limit block instead."""
+    if xpub:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.XPUB_NODROP, 1)
+        sock.copy_threshold = _FLUSH_MIN
+    else:
+        sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def _send_frames(sock, msg_id: int, buffers: list):
+    """Queue one socket message; return the tracker of its last frame."""
+    frames = [_HEADER.pack(msg_id, len(buffers)), *buffers]
+    if memoryview(frames[-1]).nbytes < _FLUSH_MIN:
+        frames.append(_PAD)
+    return sock.send_multipart(frames, copy=False, track=True)
+
+
+def _split_frames(frames: list, where: str) -> tuple[int, list]:
+    """(message id, payload frames) of a received socket message."""
+    head = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
+    if len(head) != _HEADER.size:
+        raise CorruptChunkError(f"fastmq: {where}: a socket message has a "
+                                f"{len(head)}-byte header, expected {_HEADER.size}")
+    msg_id, n = _HEADER.unpack(head)
+    if not 1 <= n <= len(frames) - 1:
+        raise CorruptChunkError(f"fastmq: {where}: message {msg_id} names {n} payload "
+                                f"frames but carries {len(frames) - 1}")
+    return msg_id, frames[1:1 + n]
 
 # Called (no arguments) after each queue end is created or attached in this
 # process.  fastmq.vllm sets it while active, so that a vLLM worker started
@@ -85,6 +160,8 @@ class Handle:
     # when the remote path uses CURVE (see fastmq._curve); kept out of repr
     # so that logging the handle does not print the secret.
     remote_curve_keys: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
+    # fastmq only: how many readers in all, so that a bad rank is refused.
+    n_reader: int | None = None
 
 
 class _Stats:
@@ -111,6 +188,7 @@ class _RingHooks:
         self._poller = poller
         self._cancel_recv = cancel_recv
         self._next_peer_check = 0.0
+        self._notify_failed = False
 
     @property
     def _ring(self):
@@ -122,7 +200,18 @@ class _RingHooks:
             self._notify.recv(zmq.NOBLOCK, copy=False)
 
     def notify_zmq(self) -> None:
-        self._notify.send(b"\x00")
+        try:
+            self._notify.send(b"\x00")
+        except Exception as e:
+            # The ring counts it (stats()["notify_errors"]); a reader parked
+            # meanwhile re-checks within its park slice.  Logged once: it
+            # would otherwise repeat on every message.
+            if not self._notify_failed:
+                self._notify_failed = True
+                logger.warning("fastmq: a ZMQ wakeup notify failed (%s); parked readers "
+                               "now wake only on their %.0f ms re-check", repr(e),
+                               self._ring.park_slice_ns / 1e6)
+            raise
 
     def long_wait(self, elapsed: float, writer: bool, idx: int) -> None:
         interval = self._ring.warn_interval
@@ -174,6 +263,42 @@ class _RingHooks:
 
     def writer_alive(self) -> bool:
         return _proc.is_alive(self._ring.writer_pid, self._ring.writer_start)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None or not math.isfinite(timeout):
+        return None
+    return time.monotonic() + max(timeout, 0.0)
+
+
+def _nbytes(buffers: list) -> int:
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+def _check_rank(handle: Handle, rank) -> int:
+    """``rank`` as an int if ``handle`` has a reader of that rank, else
+    ``ValueError`` naming the valid ranks."""
+    local = list(handle.local_reader_ranks)
+    remote = handle.remote_subscribe_addr is not None
+    if remote:
+        n = handle.n_reader
+        # Remote readers are the ranks not listed as local; with the writer
+        # in the same group, ranks run up to n_reader.
+        valid = (f"local reader ranks {local}, or a remote reader rank in 0..{n} "
+                 "not listed there" if n is not None else
+                 f"local reader ranks {local}, or a remote reader rank >= 0")
+    else:
+        valid = f"the local reader ranks {local}"
+    if isinstance(rank, bool) or not hasattr(type(rank), "__index__"):
+        raise ValueError(f"fastmq: reader rank {rank!r} is not an integer; this queue "
+                         f"has {valid}")
+    rank = operator.index(rank)
+    ok = rank in local or (remote and rank >= 0 and
+                           (handle.n_reader is None or rank <= handle.n_reader))
+    if not ok:
+        raise ValueError(f"fastmq: reader rank {rank} is not a reader of this queue: "
+                         f"it has {valid}")
+    return rank
 
 
 def _close_zmq(context, sockets, paths) -> None:
@@ -248,6 +373,17 @@ class MessageQueue:
         self.local_reader_rank = -1
         self.tensor_arena = None
         self._stats = _Stats()
+        self._init_ends()
+        # Held by enqueue() and by shutdown() around closing the ring, so a
+        # shutdown on another thread cannot close the queue between an
+        # enqueue's last check and its publish (readers would then see
+        # "closed" and stop before a message whose enqueue() returned).
+        # Re-entrant: a signal handler may call shutdown() mid-enqueue.
+        self._send_lock = threading.RLock()
+        self._overflow_id = 0       # last local overflow send attempt
+        self._remote_seq = 0        # last message committed to remote readers
+        self._remote_pending = None  # tracker of a remote message not yet flushed
+        self._remote_broken = None  # why remote readers can no longer be served
         context = zmq.Context()
         sockets: list = []
         paths: list[str] = []
@@ -268,8 +404,10 @@ class MessageQueue:
                 self.local_socket = context.socket(zmq.XPUB)
                 sockets.append(self.local_socket)
                 self.local_socket.setsockopt(zmq.XPUB_VERBOSE, True)
+                _tune_data_socket(self.local_socket, xpub=True)
                 local_subscribe_addr, path = _net.bind_ipc(self.local_socket)
                 paths.append(path)
+                segments.remove_at_exit([path])
                 notify = None
                 if ring.wait_mode == WAIT_ZMQ:
                     # XPUB, not PUB: wait_until_ready() waits for every
@@ -285,6 +423,8 @@ class MessageQueue:
                     # short anyway.
                     local_notify_addr, path = _net.bind_ipc(notify)
                     paths.append(path)
+                    segments.remove_at_exit([path])
+                segments.remove_at_exit([path])
                 ring.hooks = _RingHooks(ring, notify_socket=notify)
                 self._notify_socket = notify
                 self.tensor_arena = self._make_arena(enable_shm_tensor_arena, arena_options)
@@ -295,7 +435,11 @@ class MessageQueue:
                     connect_ip = _net.local_ip()
                 self.remote_socket = context.socket(zmq.XPUB)
                 sockets.append(self.remote_socket)
-                self.remote_socket.setsockopt(zmq.XPUB_VERBOSE, True)
+                # VERBOSER: every (un)subscription reaches us, so enqueue()
+                # sees a remote reader that disconnected (and would miss
+                # messages) instead of sending into the void.
+                self.remote_socket.setsockopt(zmq.XPUB_VERBOSER, True)
+                _tune_data_socket(self.remote_socket, xpub=True)
                 if _curve.wanted(remote_curve):
                     curve = _curve.CurveServer(context)
                     sockets.append(curve)  # stopped with the sockets, before term()
@@ -323,10 +467,11 @@ class MessageQueue:
             tensor_arena_handle=(self.tensor_arena.handle()
                                  if self.tensor_arena is not None else None),
             remote_curve_keys=tuple(curve.keys) if curve is not None else None,
+            n_reader=n_reader,
         )
         self._finalizer = weakref.finalize(self, _close_zmq, context, sockets, paths)
         self._finalizer.atexit = False
-        segments.remove_at_exit(paths)
+        _live_queues.add(self)
         logger.debug("fastmq message queue handle: %s", self.handle)
         if on_queue_created is not None:
             on_queue_created()
@@ -339,6 +484,20 @@ class MessageQueue:
         return arena.create_for_queue(enable, options, self.n_local_reader,
                                       self.n_remote_reader)
 
+    def _init_ends(self) -> None:
+        # Set by the fork hook in a child that inherited this queue: its
+        # ring position and sockets are the parent's, so any use would lose
+        # or duplicate messages.
+        self._forked_from = None
+        self._pid = os.getpid()
+
+    def _forked(self) -> RuntimeError:
+        return RuntimeError(
+            f"fastmq: this MessageQueue was created in process {self._forked_from} and "
+            f"inherited by fork into process {os.getpid()}; a queue end cannot be used "
+            "from a forked child (parent and child would each consume or publish part "
+            "of the stream). Create or attach the queue in the child instead.")
+
     # -- attach ------------------------------------------------------------
     def export_handle(self) -> Handle:
         return self.handle
@@ -347,9 +506,12 @@ class MessageQueue:
     def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
         """Attach as reader ``rank`` (a local reader when ``rank`` is in
         ``handle.local_reader_ranks``, otherwise a remote one)."""
+        rank = _check_rank(handle, rank)
         self = MessageQueue.__new__(MessageQueue)
+        self._init_ends()
         self.handle = handle
         self._is_writer = False
+        self._remote_seq = 0
         self.shutting_down = False
         self.tensor_arena = None
         self._stats = _Stats()
@@ -379,9 +541,15 @@ class MessageQueue:
                 self.buffer = ShmRingBuffer(bh[0], bh[1], bh[2], bh[3])
                 self._ring = ring = self.buffer.attach_reader(self.local_reader_rank)
                 ring.warn_interval = _config.warning_interval()
-                ring.set_reader_identity(self.local_reader_rank, *_proc.me())
+                holder = ring.claim_reader(*_proc.me(), _proc.is_alive)
+                if holder:
+                    raise RuntimeError(
+                        f"fastmq: local reader rank {rank} of this queue is already "
+                        f"attached by process {holder}, which is alive; each rank is "
+                        "attached by one process")
                 self.local_socket = context.socket(zmq.SUB)
                 sockets.append(self.local_socket)
+                _tune_data_socket(self.local_socket, xpub=False)
                 self.local_socket.setsockopt_string(zmq.SUBSCRIBE, "")
                 self.local_socket.connect(handle.local_subscribe_addr)
                 notify = poller = cancel_recv = None
@@ -423,6 +591,7 @@ class MessageQueue:
             raise
         self._finalizer = weakref.finalize(self, _close_zmq, context, sockets, [])
         self._finalizer.atexit = False
+        _live_queues.add(self)
         if on_queue_created is not None:
             on_queue_created()
         return self
@@ -457,21 +626,35 @@ class MessageQueue:
                 self.remote_socket.send(b"READY")
         else:
             sock = self.local_socket if self._is_local_reader else self.remote_socket
-            got = sock.recv()
-            if got != b"READY":
-                raise RuntimeError(f"fastmq: unexpected handshake message {got[:32]!r}")
+            frames = sock.recv_multipart()
+            if frames != [b"READY"]:
+                what = f"{len(frames)} frames"
+                if len(frames) >= 2 and len(frames[0]) == _HEADER.size:
+                    what = f"message {_HEADER.unpack(frames[0])[0]}"
+                raise RuntimeError(
+                    f"fastmq: this reader connected after the writer's handshake: it "
+                    f"received {what} of a running queue instead of READY. A reader "
+                    "cannot join (or, after a disconnect, rejoin) a queue once the "
+                    "writer's wait_until_ready() has returned; create a new queue.")
 
     def shutdown(self) -> None:
         """Wake a reader (or writer) blocked in this queue: it raises
-        ``RuntimeError("cancelled")``.  Safe from another thread."""
+        ``RuntimeError("cancelled")``.  Safe from another thread.
+
+        On the writer, an ``enqueue()`` running on another thread either
+        completes (and its message is delivered before readers see the
+        queue closed) or raises; it never returns for a message that
+        readers then miss."""
         self.shutting_down = True
         ring = self._ring
         if ring is not None:
-            if self._is_writer:
-                # Before the wake, so that woken readers see it.
-                ring.mark_closed()
+            # Wake first: an enqueue() blocked on a full ring or a flush
+            # raises "cancelled" and lets go of the send lock.
             ring.cancel()
-            if not self._is_writer and ring.wait_mode == WAIT_ZMQ:
+            if self._is_writer:
+                with self._send_lock:
+                    ring.mark_closed()
+            elif ring.wait_mode == WAIT_ZMQ:
                 try:
                     self._cancel_send.send(b"\x00", zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -518,71 +701,223 @@ class MessageQueue:
 
     # -- messages ------------------------------------------------------------
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Broadcast ``obj`` to every reader.  Pickling happens first: an
-        object that cannot be pickled raises and nothing is sent."""
+        """Broadcast ``obj`` to every reader.
+
+        When it returns, every reader will receive ``obj``, in order, once,
+        even if this process then exits, is killed or calls ``shutdown()``.
+        When it raises (``TimeoutError`` after ``timeout`` seconds waiting
+        for slow readers, ``RuntimeError`` on shutdown or a dead peer, an
+        unpicklable object, ``ShmFullError``), no reader receives ``obj``
+        (one exception: see the README on remote readers and timeouts)."""
         if not self._is_writer:
             raise RuntimeError("Only writers can enqueue")
-        arena = self.tensor_arena
-        ring = self._ring
-        published = ring.n_published if ring is not None else 0
-        try:
-            buffers = self._encoder.encode(obj)
+        if self._forked_from is not None:
+            raise self._forked()
+        with self._send_lock:
+            if self.shutting_down:
+                raise RuntimeError("cancelled")
+            arena = self.tensor_arena
+            ring = self._ring
+            published = ring.n_published if ring is not None else 0
             stats = self._stats
-            if self.n_local_reader > 0:
-                framed = self._ring.send(buffers, timeout)
-                if framed:
-                    stats.ring_messages += 1
-                    stats.ring_bytes += framed
+            remote = None
+            try:
+                buffers = self._encoder.encode(obj)
+                if self.n_remote_reader == 0:
+                    framed = ring.send(buffers, timeout)
+                    if framed:
+                        stats.ring_messages += 1
+                        stats.ring_bytes += framed
+                    else:
+                        self._send_overflow(buffers, _deadline(timeout), timeout)
                 else:
-                    # Order the message in the ring, then publish it on the socket.
-                    # copy=True: for any buffer that is not a zmq.Frame, pyzmq
-                    # memcpys it into a new zmq message inside send() (its
-                    # copy_threshold only matters with copy=False, where large
-                    # buffers would stay shared until the IO thread sends them),
-                    # so mutating a tensor after enqueue returns cannot change
-                    # what is read.  Same for the remote socket below.
-                    self._ring.send_overflow_mark(timeout)
-                    self.local_socket.send_multipart(buffers, copy=True)
-                    stats.overflow_messages += 1
-                    stats.overflow_bytes += sum(memoryview(b).nbytes for b in buffers)
-            if self.n_remote_reader > 0:
-                self.remote_socket.send_multipart(buffers, copy=True)
-                stats.remote_messages += 1
-                stats.remote_bytes += sum(memoryview(b).nbytes for b in buffers)
-        except BaseException:
+                    remote = self._send_with_remote(buffers, _deadline(timeout), timeout)
+            except BaseException:
+                if arena is not None:
+                    if ring is not None and ring.n_published != published:
+                        # The chunk naming these slots is out: readers own
+                        # the slots now and release them.
+                        arena.commit()
+                    else:
+                        # Never published to a reader: the slots are free again.
+                        arena.abort()
+                raise
             if arena is not None:
-                if ring is not None and ring.n_published != published:
-                    # The chunk naming these slots is out (the error came
-                    # after it, e.g. on the overflow socket): readers own
-                    # the slots now and release them.
-                    arena.commit()
-                else:
-                    # Never published to a reader: the slots are free again.
-                    arena.abort()
-            raise
-        if arena is not None:
-            arena.commit()
+                arena.commit()
+            if remote is not None:
+                self._flush_remote(remote, _deadline(timeout))
+
+    def _send_overflow(self, buffers: list, deadline: float | None,
+                       timeout: float | None) -> None:
+        """A message too big for a chunk: payload on the socket, then a mark
+        in the ring.  The mark is published only once the payload has left
+        this process, so a reader that sees it always gets the payload, and
+        a send abandoned before (timeout, shutdown, dead reader) is skipped
+        by readers by its id."""
+        ring = self._ring
+        ring.wait_writable(timeout)
+        self._overflow_id += 1
+        tracker = _send_frames(self.local_socket, self._overflow_id, buffers)
+        self._wait_flushed(tracker, deadline, "a local reader's socket")
+        ring.send_overflow_mark(self._overflow_id, 0)
+        self._stats.overflow_messages += 1
+        self._stats.overflow_bytes += _nbytes(buffers)
+
+    def _send_with_remote(self, buffers: list, deadline: float | None,
+                          timeout: float | None):
+        """Everything that can fail or time out happens before the remote
+        send; the remote send is the commit point, and the ring publish
+        after it cannot fail.  Returns the remote message's tracker."""
+        ring = self._ring
+        if ring is not None:
+            ring.wait_writable(timeout)
+        self._check_remote_readers()
+        if self._remote_pending is not None:
+            # Backpressure: the previous remote message must have left.
+            self._wait_flushed(self._remote_pending, deadline, "the remote readers' socket")
+            self._remote_pending = None
+        overflow = ring is not None and ring.framed_size(buffers) > ring.max_chunk_bytes
+        if overflow:
+            self._overflow_id += 1
+            tracker = _send_frames(self.local_socket, self._overflow_id, buffers)
+            self._wait_flushed(tracker, deadline, "a local reader's socket")
+        self._remote_seq += 1
+        tracker = _send_frames(self.remote_socket, self._remote_seq, buffers)
+        stats = self._stats
+        nbytes = _nbytes(buffers)
+        stats.remote_messages += 1
+        stats.remote_bytes += nbytes
+        if ring is not None:
+            if overflow:
+                ring.send_overflow_mark(self._overflow_id, 0)
+                stats.overflow_messages += 1
+                stats.overflow_bytes += nbytes
+            else:
+                stats.ring_bytes += ring.send(buffers, 0)
+                stats.ring_messages += 1
+        return tracker
+
+    def _flush_remote(self, tracker, deadline: float | None) -> None:
+        """Wait until the committed remote message has left this process.
+        Past the deadline (or on shutdown) it stays queued and the next
+        enqueue() waits for it first."""
+        self._remote_pending = tracker
+        try:
+            self._wait_flushed(tracker, deadline, "the remote readers' socket")
+        except (TimeoutError, RuntimeError):
+            return
+        self._remote_pending = None
+
+    def _wait_flushed(self, tracker, deadline: float | None, where: str) -> None:
+        if tracker.done:
+            return
+        next_check = time.monotonic() + 0.2
+        while True:
+            if self.shutting_down:
+                raise RuntimeError("cancelled")
+            wait = _FLUSH_SLICE_S
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"fastmq: a reader did not take the message from "
+                                       f"{where} in time")
+                wait = min(wait, left)
+            try:
+                tracker.wait(wait)
+                return
+            except zmq.NotDone:
+                pass
+            if self._ring is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 0.2
+                self._check_local_readers_alive()
+
+    def _check_local_readers_alive(self) -> None:
+        ring = self._ring
+        for r in range(ring.n_reader):
+            pid, started = ring.reader_identity(r)
+            if pid and not _proc.is_alive(pid, started):
+                raise RuntimeError(f"fastmq: reader rank {r} (pid {pid}) died; the "
+                                   "writer cannot deliver to it")
+
+    def _check_remote_readers(self) -> None:
+        """Raise if a remote reader disconnected since the handshake: the
+        messages it missed cannot be replayed, so sending on would drop
+        them for it silently."""
+        sock = self.remote_socket
+        while self._remote_broken is None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = sock.recv(zmq.NOBLOCK)
+            if event[:1] == b"\x00":
+                self._remote_broken = (
+                    "a remote reader disconnected from the writer after the handshake; "
+                    "messages sent since would not reach it, and a remote reader "
+                    "cannot rejoin a running queue")
+            elif event[:1] == b"\x01":
+                logger.warning("fastmq: a remote client subscribed to the queue after the "
+                               "handshake; it is not one of the queue's readers")
+        if self._remote_broken is not None:
+            raise RuntimeError(f"fastmq: {self._remote_broken}")
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """Receive the next object.  ``TimeoutError`` after ``timeout``
-        seconds; ``RuntimeError("cancelled")`` after ``shutdown()``."""
+        seconds (nothing was consumed: the next call returns that same
+        message); ``RuntimeError("cancelled")`` after ``shutdown()``."""
+        if self._forked_from is not None:
+            raise self._forked()
         if self._is_local_reader:
             arena = self.tensor_arena
             if arena is not None:
                 # Hand back arena slots whose last view died (CUDA-event
                 # gated where this process pinned the arena).
                 arena.flush_releases()
-            obj = self._ring.recv(timeout, indefinite)
+            ring = self._ring
+            if timeout is None:
+                obj = ring.recv(None, indefinite)
+                deadline = None
+            else:
+                deadline = _deadline(timeout)
+                obj = ring.recv(timeout, indefinite)
             if obj is OVERFLOW:
-                obj = self._recv_socket(self.local_socket, timeout)
+                obj = self._recv_overflow(deadline)
             return obj
         if self._is_remote_reader:
-            return self._recv_socket(self.remote_socket, timeout)
+            frames = self._recv_frames(self.remote_socket, _deadline(timeout))
+            msg_id, payload = _split_frames(frames, "remote reader")
+            want = self._remote_seq + 1
+            if msg_id != want:
+                raise RuntimeError(
+                    f"fastmq: this remote reader expected message {want} but received "
+                    f"{msg_id}: it lost messages while disconnected from the writer, and "
+                    "a remote reader cannot rejoin a running queue")
+            self._remote_seq = msg_id
+            return self._decode_frames(payload)
         raise RuntimeError("Only readers can dequeue")
 
-    def _recv_socket(self, sock, timeout: float | None) -> Any:
-        deadline = (None if timeout is None or not math.isfinite(timeout)
-                    else time.monotonic() + max(timeout, 0.0))
+    def _recv_overflow(self, deadline: float | None) -> Any:
+        """The payload of the overflow mark the ring just returned.  The
+        mark's chunk is released only once its payload is here, so a
+        timeout leaves both where they were."""
+        ring = self._ring
+        want = ring.overflow_id
+        while True:
+            frames = self._recv_frames(self.local_socket, deadline)
+            msg_id, payload = _split_frames(frames, "local reader")
+            if msg_id == want:
+                break
+            if msg_id > want:
+                raise CorruptChunkError(
+                    f"fastmq: the ring's overflow mark names message {want}, but the "
+                    f"socket delivered message {msg_id} first")
+            # msg_id < want: the payload of a send the writer abandoned.
+        ring.release_read(ring.current_idx)
+        return self._decode_frames(payload)
+
+    def _decode_frames(self, payload: list) -> Any:
+        main, *oob = payload
+        if oob and self.tensor_arena is not None:
+            oob = self.tensor_arena.map_oob(oob)
+        return decode(main, oob)
+
+    def _recv_frames(self, sock, deadline: float | None) -> list:
         writer_dead = False
         while True:
             if self.shutting_down:
@@ -596,16 +931,13 @@ class MessageQueue:
             if sock.poll(timeout=wait_ms):
                 break
             if self._ring is not None:
-                # A local reader saw an overflow mark; if the writer died
-                # before its payload left, it never comes.  Frames already
-                # in flight get one more slice.
+                # A local reader saw an overflow mark, whose payload left the
+                # writer before the mark was published; if the writer is
+                # gone, frames still in flight get one more slice.
                 if writer_dead:
                     raise RuntimeError(self._ring.hooks.writer_gone() or "fastmq: writer died")
                 writer_dead = not self._ring.hooks.writer_alive()
-        main, *oob = sock.recv_multipart(copy=False)
-        if oob and self.tensor_arena is not None:
-            oob = self.tensor_arena.map_oob(oob)
-        return decode(main, oob)
+        return sock.recv_multipart(copy=False)
 
     def empty_tensor(self, shape, dtype=None):
         """An uninitialised CPU tensor for the writer to fill and enqueue.
@@ -636,6 +968,8 @@ class MessageQueue:
         out = self._stats.as_dict()
         # Futex/ZMQ wakes this end issued: zero while nobody ever parked.
         out["wakeups"] = self._ring.wakeups if self._ring is not None else 0
+        # ZMQ wakeup notifies that failed (logged once; see _RingHooks).
+        out["notify_errors"] = self._ring.notify_errors if self._ring is not None else 0
         if self.tensor_arena is not None:
             out.update(self.tensor_arena.stats())
         return out

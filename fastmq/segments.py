@@ -59,8 +59,14 @@ def remove_at_exit(paths) -> None:
 
 
 def remove_now(paths) -> None:
+    """Remove these ipc files if this process created them: a forked child
+    that drops an inherited queue must not unlink its parent's live
+    sockets (a reader attaching later would hang on a missing file)."""
+    me = os.getpid()
     for p in paths:
-        _owned_paths.pop(p, None)
+        if _owned_paths.get(p) != me:
+            continue
+        del _owned_paths[p]
         try:
             os.unlink(p)
         except OSError:

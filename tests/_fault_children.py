@@ -37,7 +37,7 @@ def writer_stall(conn, n_reader, wait_mode, messages, overflow_mark_only=False):
     for m in messages:
         mq.enqueue(m)
     if overflow_mark_only:
-        mq._ring.send_overflow_mark()
+        mq._ring.send_overflow_mark(10**6)
     conn.send("sent")
     _sleep_forever()
 

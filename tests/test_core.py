@@ -73,7 +73,7 @@ def test_remote_reader_ipv6():
     w = MessageQueue(1, 0, connect_ip="::1")
     h = w.export_handle()
     assert h.remote_addr_ipv6 and h.remote_subscribe_addr.startswith("tcp://[::1]:")
-    r = MessageQueue.create_from_handle(h, 5)
+    r = MessageQueue.create_from_handle(h, 0)
     t = threading.Thread(target=w.wait_until_ready)
     t.start()
     r.wait_until_ready()

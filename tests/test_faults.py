@@ -328,9 +328,34 @@ def _sub(ctx, addr, *, server_key=None, keypair=None):
     return s
 
 
-def test_curve_off_by_default():
+def test_curve_on_by_default_and_opt_out(monkeypatch):
     writer = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    assert writer.handle.remote_curve_keys is None
+    assert writer.handle.remote_curve_keys is not None
+    assert MessageQueue(1, 0, connect_ip="127.0.0.1",
+                        remote_curve=False).handle.remote_curve_keys is None
+    monkeypatch.setenv("FASTMQ_CURVE", "0")
+    assert MessageQueue(1, 0, connect_ip="127.0.0.1").handle.remote_curve_keys is None
+
+
+def test_plain_client_on_the_port_is_not_a_reader():
+    """Without CURVE, any client reaching the port first was counted as the
+    remote reader and received every message."""
+    writer = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    handle = writer.export_handle()
+    ctx = zmq.Context()
+    try:
+        intruder = _sub(ctx, handle.remote_subscribe_addr)
+        assert not writer.remote_socket.poll(500), "a plain client subscribed"
+        reader = MessageQueue.create_from_handle(handle, 0)
+        t = threading.Thread(target=writer.wait_until_ready)
+        t.start()
+        reader.wait_until_ready()
+        t.join(10)
+        writer.enqueue("for the reader only")
+        assert reader.dequeue(timeout=10) == "for the reader only"
+        assert not intruder.poll(300)
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_curve_keys_stay_out_of_handle_repr(monkeypatch):
