@@ -45,3 +45,58 @@ def reader_main(conn, handle, rank: int, k: int):
             mq.dequeue(timeout=300)
         except RuntimeError:
             pass                # the writer died or shut down
+
+
+def demo() -> str:
+    """The README's ``fastmq ls`` output: the queue test_ls builds (readers
+    that read 3, 1 and 0 of 3 messages; reader 0 then parked, reader 2
+    killed), listed alone so that other queues on the host stay out."""
+    import multiprocessing as mp
+    import time
+
+    from fastmq.listing import format_text, list_queues
+
+    ctx = mp.get_context("spawn")
+    w_conn, w_child = ctx.Pipe()
+    procs = [ctx.Process(target=writer_main, args=(w_child, 3, 3), daemon=True)]
+    procs[0].start()
+    try:
+        handle = w_conn.recv()
+        conns = []
+        for rank, k in enumerate([3, 1, 0]):
+            a, b = ctx.Pipe()
+            procs.append(ctx.Process(target=reader_main, args=(b, handle, rank, k),
+                                     daemon=True))
+            procs[-1].start()
+            conns.append(a)
+        assert w_conn.recv() == "sent"
+        for c in conns:
+            c.recv()
+        conns[0].send("park")
+        ring = handle.buffer_handle[3]
+
+        def ours():
+            return [q for q in list_queues()["queues"] if q["name"] == ring][0]
+
+        deadline = time.monotonic() + 30
+        while ours()["parked_readers"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        procs[3].kill()
+        procs[3].join(10)
+        listing = list_queues()
+        q = ours()
+        listing.update(queues=[q], arenas=[], other=[])
+        listing["shm"]["fastmq_used_bytes"] = q["shm_used_bytes"] + q["arena"]["shm_used_bytes"]
+        return format_text(listing)
+    finally:
+        w_conn.send("exit")
+        procs[0].join(30)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+
+
+if __name__ == "__main__":
+    print("$ fastmq ls")
+    print(demo())

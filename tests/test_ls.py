@@ -63,6 +63,19 @@ def _remove_files_of(pid: int) -> None:
             pass
 
 
+def _readme_ls_block() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    i = readme.index("### What is running: `fastmq ls`")
+    start = readme.index("```\n$ fastmq ls\n", i) + len("```\n$ fastmq ls\n")
+    return readme[start:readme.index("\n\n", start)].splitlines()
+
+
+def _shape(lines: list[str]) -> list[list[str]]:
+    """Tokens with numbers and segment names blanked (pids, sizes differ)."""
+    return [re.sub(r"\d+(\.\d+)?", "N", re.sub(r"fastmq_\d+_(\w+?)_[0-9a-f]+", r"fastmq_\1", ln)
+                   ).split() for ln in lines]
+
+
 # -- positions from the flags, checked against a model of the ring -----------
 
 def _flags(n_chunks, published, reads, filling):
@@ -198,6 +211,8 @@ def test_ls_live_queue_positions_parked_dead_reader_and_dead_writer(procs, spawn
         assert q["arena"]["slots_in_use"][0]["readers"][1]["state"] == "dead"
         block = _block(format_text(list_queues()), ring)
         assert _row(block, 2)[1:] == [str(readers[2].pid), "-", "dead", "0", "3"]
+        # The README shows this very state (tests/_ls_children.py makes it).
+        assert _shape(block) == _shape(_readme_ls_block()), "README's fastmq ls is stale"
 
         # A dead writer: its segments stay until `fastmq cleanup`.
         writer.kill()
