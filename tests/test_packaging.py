@@ -48,8 +48,8 @@ SDIST_REQUIRED = [
 # lifetimes, cleanup and ls reading headers through the compiled read-only
 # code.  The vLLM integration tests are left out (they need vLLM's tree);
 # the long fault and wakeup suites are too (minutes on a 2-core machine)
-# and add nothing about packaging that these lack.  About 40 s on an idle
-# 2-core machine (pytest --durations), plus ~50 s to compile the wheel.
+# and add nothing about packaging that these lack.  One parameter of the
+# end-to-end test (two readers) keeps the run short.
 SUBSET = [
     "tests/test_core.py::test_mixed_messages_to_local_readers[2]",
     "tests/test_core.py::test_tensor_semantics_in_process",
