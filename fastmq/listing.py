@@ -338,7 +338,7 @@ def format_text(listing: dict) -> str:
         out.append("")
     for a in listing["arenas"]:
         out.extend(_arena_lines(a, ""))
-        out.append("  (its ring could not be told apart from the creator's other rings)")
+        out.append("  (not matched to one ring of its creator: none, or several alike)")
         out.append("")
     for o in listing["other"]:
         what = f"unreadable: {o['error']}" if o["error"] else f"{o['kind']} segment"
