@@ -11,8 +11,11 @@ from setuptools.command.build_py import build_py
 
 DEBUG = os.environ.get("FASTMQ_DEBUG", "0") == "1"
 
-compile_args = ["-O0", "-g", "-fsanitize=address"] if DEBUG else ["-O3"]
-link_args = ["-fsanitize=address"] if DEBUG else []
+# A release build carries no debug info and strips its symbols (-g0 wins over
+# the -g that Python's own CFLAGS usually bring): the modules shrink several
+# times over.
+compile_args = ["-O0", "-g", "-fsanitize=address"] if DEBUG else ["-O3", "-g0"]
+link_args = ["-fsanitize=address"] if DEBUG else ["-Wl,-s"]
 libraries = ["rt"] if sys.platform.startswith("linux") else []
 
 MODULES = ["_shm", "_ring", "_arena", "_floor"]

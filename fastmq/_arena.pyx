@@ -1062,3 +1062,50 @@ cdef class SlotBuffer:
 
     def __repr__(self):
         return "<fastmq SlotBuffer slot=%d nbytes=%d>" % (self.slot, self.nbytes)
+
+
+def snapshot(buf):
+    """The header and slot flags of an arena, read from ``buf`` (a whole
+    mapped arena, typically mapped read-only) without writing to it; for
+    ``fastmq ls``.  Returns a dict: ``n_reader``, ``n_slots``,
+    ``slot_bytes``, ``total``, and per slot ``slots``: ``(epoch, written,
+    [done per reader])``.  Raises ``ArenaError`` when ``buf`` is not a
+    complete arena of this layout version."""
+    cdef Py_buffer v
+    PyObject_GetBuffer(buf, &v, PyBUF_SIMPLE)
+    cdef char *b = <char *>v.buf
+    cdef char *ln
+    cdef Py_ssize_t s, r, n_reader, n_slots, stride, flags_off
+    try:
+        if v.len < HEADER:
+            raise ArenaError("%d bytes are too few for a fastmq arena" % v.len)
+        if fmq_load_u64_acq(_u64(b + H_MAGIC)) != C_MAGIC:
+            raise ArenaError("not a fastmq arena (no fastmq header)")
+        if _u32(b + H_VERSION)[0] != LAYOUT_VERSION:
+            raise ArenaError("fastmq arena layout version %d, this fastmq reads version %d"
+                             % (_u32(b + H_VERSION)[0], LAYOUT_VERSION))
+        n_reader = _u32(b + H_NREADER)[0]
+        n_slots = _u32(b + H_NSLOTS)[0]
+        slot_bytes = _u64(b + H_SLOT_BYTES)[0]
+        got = (_u32(b + H_STRIDE)[0], _u64(b + H_FLAGS_OFF)[0], _u64(b + H_DATA_OFF)[0],
+               _u64(b + H_TOTAL)[0])
+        try:
+            want = layout(n_reader, n_slots, slot_bytes)
+        except ValueError as e:
+            raise ArenaError("fastmq arena header has a bad geometry: %s" % e)
+        if got != want or v.len < want[3]:
+            raise ArenaError("fastmq arena header %r does not match its geometry %r "
+                             "(%d bytes mapped)" % (got, want, v.len))
+        stride = want[0]
+        flags_off = want[1]
+        slots = []
+        for s in range(n_slots):
+            ln = b + flags_off + s * stride
+            slots.append((fmq_load_u64_acq(_u64(ln + F_EPOCH)),
+                          fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)),
+                          [fmq_load_u8_acq(<uint8_t *>(ln + F_DONE + r))
+                           for r in range(n_reader)]))
+        return {"n_reader": n_reader, "n_slots": n_slots, "slot_bytes": slot_bytes,
+                "total": want[3], "slots": slots}
+    finally:
+        PyBuffer_Release(&v)

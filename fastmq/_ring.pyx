@@ -3,7 +3,7 @@
 Segment layout (all offsets from the mapping's base)::
 
     +---------------------------+ 0
-    | header (see H_* below)    |   magic, geometry, wait mode, pids,
+    | header (_ring_layout.pxd) |   magic, geometry, wait mode, pids,
     |   futex words, one cache  |   each futex word / counter on its own
     |   line each               |   64-byte line so that polling one does
     |   reader slots (64 B each)|   not false-share with another
@@ -75,27 +75,10 @@ import os
 MAGIC = 0x3152514d54534146   # b"FASTMQR1" little-endian
 LAYOUT_VERSION = 1
 
+# Header offsets: fastmq/_ring_layout.pxd.
+from fastmq._ring_layout cimport *
+
 cdef enum:
-    H_MAGIC = 0            # u64
-    H_VERSION = 8          # u32
-    H_NREADER = 12         # u32
-    H_CHUNK_BYTES = 16     # u64
-    H_NCHUNKS = 24         # u32
-    H_META_STRIDE = 28     # u32
-    H_META_OFF = 32        # u64
-    H_DATA_OFF = 40        # u64
-    H_TOTAL = 48           # u64
-    H_WAIT_MODE = 56       # u32
-    H_SPIN_NS = 64         # u64
-    H_WRITER_PID = 72      # u32
-    H_WRITER_START = 80    # u64  (process start time, clock ticks since boot)
-    H_WRITER_STATE = 88    # u32  1 = open, 2 = closed by its writer
-    H_READ_SEQ = 128       # u32 futex word that readers park on
-    H_READERS_PARKED = 192 # u32 count of parked readers
-    H_WRITE_SEQ = 256      # u32 futex word that the writer parks on
-    H_WRITER_PARKED = 320  # u32 1 while the writer is parked
-    H_READER_SLOTS = 512   # 64 B per reader: u32 pid, pad, u64 start time
-    READER_SLOT = 64
     FRAME_HEAD = 8
     MARK_BYTES = 16
     RESERVE_STEP = 65536   # pages are reserved in steps of this many bytes
@@ -798,3 +781,110 @@ class _Overflow:
 
 
 OVERFLOW = _Overflow()
+
+
+# -- read-only inspection (fastmq ls, fastmq cleanup) ------------------------
+# These functions read a ring through any buffer (a read-only mapping, or the
+# first bytes of the file) and never write to it: looking at a live queue
+# must not disturb it.
+
+# Bytes from the start of a ring that hold its magic, version and creator.
+CREATOR_BYTES = H_WRITER_START + 8
+
+
+cdef inline uint32_t _ro_u32(const char *b, Py_ssize_t off) noexcept nogil:
+    return fmq_load_u32_acq(<const uint32_t *>(b + off))
+
+
+cdef inline uint64_t _ro_u64(const char *b, Py_ssize_t off) noexcept nogil:
+    return fmq_load_u64_acq(<const uint64_t *>(b + off))
+
+
+def ring_creator(buf):
+    """``(pid, start time)`` of the process that created the ring whose
+    first ``CREATOR_BYTES`` (or more) bytes are ``buf``; None when they are
+    not the header of a ring of this layout version."""
+    cdef Py_buffer v
+    PyObject_GetBuffer(buf, &v, PyBUF_SIMPLE)
+    cdef const char *b = <const char *>v.buf
+    try:
+        if v.len < CREATOR_BYTES:
+            return None
+        if _ro_u64(b, H_MAGIC) != MAGIC or _ro_u32(b, H_VERSION) != LAYOUT_VERSION:
+            return None
+        return _ro_u32(b, H_WRITER_PID), _ro_u64(b, H_WRITER_START)
+    finally:
+        PyBuffer_Release(&v)
+
+
+def snapshot(buf):
+    """Everything the header and flags of a ring say, read from ``buf`` (a
+    whole mapped ring, typically mapped read-only) without writing to it.
+
+    Returns a dict: the geometry (``n_reader``, ``max_chunk_bytes``,
+    ``max_chunks``, ``total``), ``wait_mode``, ``spin_ns``, ``writer_pid``,
+    ``writer_start``, ``writer_closed``, ``readers_parked`` (how many readers
+    sleep on the futex word or the notify socket now), ``writer_parked``,
+    ``readers`` (``(pid, start)`` per rank; pid 0: not attached yet),
+    ``written`` (the written flag per chunk) and ``read`` (per rank, the
+    read flag per chunk).  The flags are loaded one by one while the queue
+    runs, so they are a moment's view, not an atomic one.  Raises
+    ``SegmentMismatchError`` when ``buf`` is not a complete ring.
+    """
+    cdef Py_buffer v
+    PyObject_GetBuffer(buf, &v, PyBUF_SIMPLE)
+    cdef const char *b = <const char *>v.buf
+    cdef const uint8_t *m
+    cdef Py_ssize_t i, r, n_reader, n_chunks, stride, meta_off
+    try:
+        if v.len < H_READER_SLOTS + READER_SLOT:
+            raise SegmentMismatchError("%d bytes are too few for a fastmq ring" % v.len)
+        if _ro_u64(b, H_MAGIC) != MAGIC:
+            raise SegmentMismatchError("not a fastmq ring (no fastmq header)")
+        if _ro_u32(b, H_VERSION) != LAYOUT_VERSION:
+            raise SegmentMismatchError("fastmq ring layout version %d, this fastmq reads "
+                                       "version %d" % (_ro_u32(b, H_VERSION), LAYOUT_VERSION))
+        n_reader = _ro_u32(b, H_NREADER)
+        n_chunks = _ro_u32(b, H_NCHUNKS)
+        chunk_bytes = _ro_u64(b, H_CHUNK_BYTES)
+        got = (_ro_u32(b, H_META_STRIDE), _ro_u64(b, H_META_OFF), _ro_u64(b, H_DATA_OFF),
+               _ro_u64(b, H_TOTAL))
+        try:
+            want = layout(n_reader, chunk_bytes, n_chunks)
+        except ValueError as e:
+            raise SegmentMismatchError("fastmq ring header has a bad geometry: %s" % e)
+        if got != want or v.len < want[3]:
+            raise SegmentMismatchError(
+                "fastmq ring header %r does not match its geometry %r (%d bytes mapped)"
+                % (got, want, v.len))
+        stride = want[0]
+        meta_off = want[1]
+        readers = []
+        for r in range(n_reader):
+            readers.append((_ro_u32(b, H_READER_SLOTS + READER_SLOT * r),
+                            _ro_u64(b, H_READER_SLOTS + READER_SLOT * r + 8)))
+        written = []
+        read = [[] for r in range(n_reader)]
+        for i in range(n_chunks):
+            m = <const uint8_t *>(b + meta_off + i * stride)
+            written.append(fmq_load_u8_acq(m))
+            for r in range(n_reader):
+                read[r].append(fmq_load_u8_acq(m + 1 + r))
+        return {
+            "n_reader": n_reader,
+            "max_chunk_bytes": chunk_bytes,
+            "max_chunks": n_chunks,
+            "total": want[3],
+            "wait_mode": _ro_u32(b, H_WAIT_MODE),
+            "spin_ns": _ro_u64(b, H_SPIN_NS),
+            "writer_pid": _ro_u32(b, H_WRITER_PID),
+            "writer_start": _ro_u64(b, H_WRITER_START),
+            "writer_closed": _ro_u32(b, H_WRITER_STATE) == 2,
+            "readers_parked": _ro_u32(b, H_READERS_PARKED),
+            "writer_parked": _ro_u32(b, H_WRITER_PARKED),
+            "readers": readers,
+            "written": written,
+            "read": read,
+        }
+    finally:
+        PyBuffer_Release(&v)

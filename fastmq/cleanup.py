@@ -33,12 +33,12 @@ import os
 import re
 import socket
 import stat
-import struct
 import tempfile
 
 from fastmq import _proc
 from fastmq._net import IPC_PREFIX
-from fastmq._ring import LAYOUT_VERSION, MAGIC
+from fastmq._ring import CREATOR_BYTES
+from fastmq._ring import ring_creator as _header_creator
 from fastmq.segments import SEGMENT_PREFIX, SHM_PATH
 
 logger = logging.getLogger("fastmq")
@@ -46,14 +46,6 @@ logger = logging.getLogger("fastmq")
 _SEGMENT = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+$")
 _IPC = re.compile(rf"^{IPC_PREFIX}(\d+)_[0-9a-f]+\.ipc$")
 _BIND_DIR = re.compile(rf"^{IPC_PREFIX}(\d+)_\w+\.bind$")
-
-# Ring header fields, as laid out by fastmq/_ring.pyx (H_MAGIC, H_VERSION,
-# H_WRITER_PID, H_WRITER_START); tests check this against a live ring.
-_RING_HEAD = struct.Struct("<QI")          # magic u64 @0, version u32 @8
-_RING_PID = struct.Struct("<I")            # @72
-_RING_START = struct.Struct("<Q")          # @80
-_RING_HEAD_BYTES = 88
-
 
 def ring_creator(path: str) -> tuple[int, int] | None:
     """(pid, start time) from the header of the ring segment at ``path``,
@@ -64,15 +56,10 @@ def ring_creator(path: str) -> tuple[int, int] | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        head = os.read(fd, _RING_HEAD_BYTES)
+        head = os.read(fd, CREATOR_BYTES)
     finally:
         os.close(fd)
-    if len(head) < _RING_HEAD_BYTES:
-        return None
-    magic, version = _RING_HEAD.unpack_from(head, 0)
-    if magic != MAGIC or version != LAYOUT_VERSION:
-        return None
-    return _RING_PID.unpack_from(head, 72)[0], _RING_START.unpack_from(head, 80)[0]
+    return _header_creator(head)
 
 
 def _segment_alive(path: str, name_pid: int) -> bool:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -18,16 +22,73 @@ def _block_after(marker: str) -> str:
     return m.group(1)
 
 
-def test_standalone_example_runs(tmp_path):
+EXAMPLE_LINE = re.compile(r"rank (\d+) got step (\d+)")
+EXPECTED = sorted(f"rank {r} got step {s}" for r in range(2) for s in range(3))
+
+
+def _example_lines(stdout: str) -> list[str]:
+    """The example's lines in ``stdout``, sorted.  Two readers print into one
+    pipe; unbuffered (PYTHONUNBUFFERED=1), ``print`` writes the text and the
+    newline separately, so lines can interleave ("rank 0 got step 0rank 1
+    got step 0\n\n"): each piece of text is one write and stays whole, the
+    line breaks between them do not."""
+    return sorted(m.group(0) for m in EXAMPLE_LINE.finditer(stdout))
+
+
+def test_example_lines_survive_interleaved_prints():
+    interleaved = ("rank 0 got step 0rank 1 got step 0\n\nrank 1 got step 1\n"
+                   "rank 0 got step 1rank 1 got step 2\n\nrank 0 got step 2\n")
+    assert _example_lines(interleaved) == EXPECTED
+    assert _example_lines("rank 0 got step 0\n") != EXPECTED
+
+
+def _write_example(tmp_path) -> Path:
     script = tmp_path / "example.py"
     script.write_text(_block_after("<!-- example:standalone"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, env=env, cwd=tmp_path)
+    return script
+
+
+def _run(cmd, tmp_path):
+    # Unbuffered, as on machines that set PYTHONUNBUFFERED=1: the case where
+    # the readers' lines interleave.
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+
+
+def test_standalone_example_runs(tmp_path):
+    out = _run([sys.executable, str(_write_example(tmp_path))], tmp_path)
     assert out.returncode == 0, out.stderr
-    lines = sorted(out.stdout.split("\n"))
-    expected = sorted(f"rank {r} got step {s}" for r in range(2) for s in range(3))
-    assert [ln for ln in lines if ln] == expected
+    assert _example_lines(out.stdout) == EXPECTED, out.stdout
+
+
+def _can_mount_private_shm() -> str | None:
+    """Why a private 64 MiB /dev/shm cannot be made here, or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) on this machine"
+    probe = subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs /dev/shm"],
+        capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        return ("a private mount namespace with its own /dev/shm is not permitted here "
+                f"(needs root or CAP_SYS_ADMIN): {probe.stderr.strip()}")
+    return None
+
+
+def test_standalone_example_runs_on_a_64_mib_dev_shm(tmp_path):
+    """A default Docker container has a 64 MiB /dev/shm: the example runs
+    there.  The example runs in a private mount namespace whose /dev/shm
+    is a fresh 64 MiB tmpfs (the host's is untouched)."""
+    why = _can_mount_private_shm()
+    if why:
+        pytest.skip(why)
+    script = _write_example(tmp_path)
+    inner = ("mount -t tmpfs -o size=64m tmpfs /dev/shm && df -B1 --output=size /dev/shm "
+             f"&& exec {shlex.quote(sys.executable)} {shlex.quote(str(script))}")
+    out = _run(["unshare", "-m", "sh", "-c", inner], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["1B-blocks", str(64 << 20)], out.stdout
+    assert _example_lines(out.stdout) == EXPECTED, out.stdout
 
 
 def test_ci_runs_the_readme_test_command():

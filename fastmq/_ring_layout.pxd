@@ -1,0 +1,25 @@
+# The ring segment's header: byte offsets from the mapping's base.  One
+# definition, cimported by the ring itself (fastmq/_ring.pyx) and by the
+# read-only inspection code that ``fastmq ls`` and ``fastmq cleanup`` use,
+# so that nothing restates them.
+cdef enum:
+    H_MAGIC = 0            # u64
+    H_VERSION = 8          # u32
+    H_NREADER = 12         # u32
+    H_CHUNK_BYTES = 16     # u64
+    H_NCHUNKS = 24         # u32
+    H_META_STRIDE = 28     # u32
+    H_META_OFF = 32        # u64
+    H_DATA_OFF = 40        # u64
+    H_TOTAL = 48           # u64
+    H_WAIT_MODE = 56       # u32
+    H_SPIN_NS = 64         # u64
+    H_WRITER_PID = 72      # u32
+    H_WRITER_START = 80    # u64  (process start time, clock ticks since boot)
+    H_WRITER_STATE = 88    # u32  1 = open, 2 = closed by its writer
+    H_READ_SEQ = 128       # u32 futex word that readers park on
+    H_READERS_PARKED = 192 # u32 count of parked readers
+    H_WRITE_SEQ = 256      # u32 futex word that the writer parks on
+    H_WRITER_PARKED = 320  # u32 1 while the writer is parked
+    H_READER_SLOTS = 512   # 64 B per reader: u32 pid, pad, u64 start time
+    READER_SLOT = 64
