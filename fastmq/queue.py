@@ -305,15 +305,18 @@ def _close_zmq(context, sockets, paths) -> None:
     # Not run at interpreter exit (pyzmq's term() can hang there when the
     # context and its sockets are collected together); segments.remove_at_exit
     # still removes the ipc files then.
+    # linger=0 loses nothing: enqueue() returned only after its message
+    # left the process (see _FLUSH_MIN).  Teardown errors cannot be acted
+    # on, but are logged rather than silently dropped.
     for s in sockets:
         try:
             s.close(linger=0)
-        except Exception:
-            pass
+        except Exception as e:
+            logger.debug("fastmq: closing a queue socket failed: %r", e)
     try:
         context.term()
-    except Exception:
-        pass
+    except Exception as e:
+        logger.debug("fastmq: terminating a queue's ZMQ context failed: %r", e)
     segments.remove_now(paths)
 
 

@@ -68,7 +68,7 @@ def test_failed_overflow_send_delivers_nothing():
     leave the mark published: the reader then paired it with the next
     message's payload.  Now nothing is published, and a retry delivers the
     message once."""
-    w, (r,) = local_pair(1, max_chunk_bytes=CHUNK, max_chunks=4,
+    w, (r,) = local_pair(1, max_chunk_bytes=CHUNK, max_chunks=8,
                          enable_shm_tensor_arena=False)
     sock = w.local_socket
     real = sock.send_multipart
@@ -83,12 +83,13 @@ def test_failed_overflow_send_delivers_nothing():
     sock.send_multipart = failing_once
     with pytest.raises(zmq.ZMQError):
         w.enqueue(dc.message(0, 300_000))
-    with pytest.raises(TimeoutError):
-        r.dequeue(timeout=0.2)          # nothing was published
-    for seq in range(4):
-        w.enqueue(dc.message(seq, SIZES[seq % 2] if seq else 300_000))
-    for seq in range(4):
+    sizes = [300_000, 300_000, 100, 300_000]
+    for seq, size in enumerate(sizes):
+        w.enqueue(dc.message(seq, size))
+    for seq in range(len(sizes)):
         dc.check(r.dequeue(timeout=10), seq)
+    with pytest.raises(TimeoutError):
+        r.dequeue(timeout=0.2)          # the failed send delivered nothing
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -96,8 +97,9 @@ def test_shutdown_racing_enqueue(mode):
     """shutdown() on another thread used to let an enqueue() return although
     readers then stopped before its message."""
     rng = random.Random(7)
-    for trial in range(12):
-        w, rs = local_pair(2, max_chunk_bytes=CHUNK, max_chunks=4, wait_mode=mode,
+    sizes = [100, 3_000_000, 1_000_000, 6_000_000]   # ring copies up to 3 MB, then overflow
+    for trial in range(20):
+        w, rs = local_pair(2, max_chunk_bytes=4 << 20, max_chunks=4, wait_mode=mode,
                            enable_shm_tensor_arena=False)
         got = [[] for _ in rs]
         returned = []
@@ -113,7 +115,7 @@ def test_shutdown_racing_enqueue(mode):
             seq = 0
             while True:
                 try:
-                    w.enqueue(dc.message(seq, SIZES[seq % len(SIZES)]))
+                    w.enqueue(dc.message(seq, sizes[seq % len(sizes)]))
                 except RuntimeError:
                     return
                 returned.append(seq)
@@ -123,7 +125,7 @@ def test_shutdown_racing_enqueue(mode):
         threads.append(threading.Thread(target=write))
         for t in threads:
             t.start()
-        time.sleep(rng.uniform(0.001, 0.03))
+        time.sleep(rng.uniform(0.001, 0.05))
         w.shutdown()
         for t in threads:
             t.join(60)
@@ -192,7 +194,7 @@ def test_remote_reader_far_behind_gets_backpressure():
 
     def write():
         for seq in range(n):
-            w.enqueue(dc.message(seq, 2_000))
+            w.enqueue(dc.message(seq, 40_000))   # far more than socket buffers hold
             sent.append(seq)
 
     wt = threading.Thread(target=write)
