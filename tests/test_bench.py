@@ -185,6 +185,17 @@ def test_quick_writes_results_md_with_command_line_and_plots(quick_run):
         assert any("matplotlib is not installed" in n for n in data["notes"])
 
 
+def test_pyzmq_baseline_handshakes_with_several_readers(tmp_path):
+    # XPUB passes on only the first subscription to a topic unless verbose:
+    # the writer would wait for the second reader's forever.
+    out = tmp_path / "out.json"
+    proc = bench("--quick", "--scenario", "step", "--impl", "pyzmq", "--readers", "2",
+                 "--sizes", "1K", "--timeout", "10", "--json", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["records"]
+    assert (r["impl"], r["n_readers"]) == ("pyzmq", 2) and r["samples"] > 0
+
+
 def test_quick_is_one_run_of_every_figure():
     # CI runs --quick: one run, the fewest samples that still verify.
     p = config.preset("quick")

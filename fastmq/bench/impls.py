@@ -365,6 +365,9 @@ class _ZmqWriter:
         self._pulls: list = []
         try:
             self._pub = self._ctx.socket(zmq.XPUB)
+            # Every reader's subscription reaches ready(), not only the
+            # first one for a topic.
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             # No high-water mark: PUB drops messages past it, and a dropped
             # message fails the run (the throughput scenario sends faster
             # than readers take).
