@@ -401,6 +401,36 @@ def test_readme_figures_are_generated_from_results_json():
                               "README.md`")
 
 
+def test_a_json_file_from_an_older_run_renders_under_todays_rules(tmp_path):
+    mib = 128 * config.MiB
+    old = {"command": "python -m fastmq.bench --full", "started": "2026-01-01T00:00:00+00:00",
+           "duration_s": 1.0, "config": {"preset": "full"}, "plots": [],
+           "machine": {"cpu_model": "cpu", "usable_cpus": 2, "logical_cpus": 2,
+                       "memory_bytes": None, "kernel": "k", "python": "3"},
+           "versions": {"fastmq": "0"},
+           "notes": ["Ratios: vs vLLM = vLLM's time / this time"],
+           "targets": [{"issue": 3, "what": "x", "value": "1", "target": "2", "met": False}],
+           "records": [
+               _rec("tensor", "vllm", 150.0, mib, warmup=1, samples=10, min=1.0, max=1.0, p90=1.0,
+                    p99=1.0, mean=1.0, vs_vllm=1.0),
+               _rec("tensor", "vllm+arena", 40.0, mib, warmup=1, samples=10, min=1.0, max=1.0,
+                    p90=1.0, p99=1.0, mean=1.0, vs_vllm=150 / 40),
+               _rec("tensor", "fastmq-futex+arena", 20.0, mib, warmup=1, samples=10, min=1.0,
+                    max=1.0, p90=1.0, p99=1.0, mean=1.0, vs_vllm=7.5, vs_vllm_arena=2.0,
+                    x_floor=1.0)]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    md = tmp_path / "RESULTS.md"
+    from fastmq.bench.__main__ import main
+
+    assert main(["--from-json", str(path), "--results-md", str(md)]) == 0
+    text = md.read_text()
+    assert "issue" not in text and "target" not in text and "x_floor" not in text
+    # fastmq's arena is compared with vLLM's arena now, not with vLLM without one.
+    assert "| arena | 128 MiB | 20.0 / 40.0 = 2.0x |" in text
+    assert "One run: figures are not medians of repeated runs." in text
+
+
 def test_update_readme_replaces_only_the_block(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{report.README_BEGIN}\nold 1.0 us\n{report.README_END}\nend\n")
