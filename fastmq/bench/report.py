@@ -148,7 +148,6 @@ def check_floors(records: list[dict]) -> list[str]:
     """Mark floors measured slower than an implementation they bound
     (``not_a_floor``) and say so; such a floor is a measurement gone wrong
     (the machine's load changed under the run), not a floor."""
-    idx = {_key(r): r for r in records}
     notes = []
     for f in records:
         if not f["impl"].startswith("floor") or f["impl"] == "floor-memcpy":
@@ -166,7 +165,6 @@ def check_floors(records: list[dict]) -> list[str]:
                 f"measured {num(f['p50'])} {f['unit']}, slower than "
                 f"{', '.join(slower_than)}: the machine's load changed during the run "
                 "(the floor does a subset of their work). Rerun on a quiet machine.")
-    del idx
     return notes
 
 
