@@ -7,6 +7,12 @@ segment and bumps a sequence word; each reader waits for the word, copies the
 payload out (as any transport must hand the reader its own bytes) and
 answers on its own cache line.  ``time_memcpy`` is one memcpy of a payload.
 
+``wake_writer`` / ``wake_reader`` are the wake-from-idle floor: each reader
+parks in ``FUTEX_WAIT`` on a word in a shared segment; the writer sleeps
+(``clock_nanosleep``), reads ``CLOCK_MONOTONIC``, bumps the word and issues
+``FUTEX_WAKE``; each reader reads the same clock as soon as it runs again.
+No Python runs between the writer's clock read and the reader's.
+
 Segment layout (offsets from the mapping's base)::
 
     +-------------------------+ 0
@@ -22,11 +28,22 @@ with release; a reader that loads ``seq`` with acquire sees the whole
 payload.  The reader copies it out, then stores its ack with release, so the
 writer (acquire) may overwrite the payload for the next round.
 """
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from fastmq._native.atomic cimport (fmq_cpu_relax, fmq_load_u64_acq, fmq_now_ns,
-                                    fmq_sched_yield, fmq_store_u64_rel)
+from fastmq._native.atomic cimport (fmq_cpu_relax, fmq_futex_wait, fmq_futex_wake_all,
+                                    fmq_have_futex, fmq_load_u32_acq, fmq_load_u64_acq,
+                                    fmq_now_ns, fmq_sched_yield, fmq_store_u32_rel,
+                                    fmq_store_u64_rel)
+
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_nanosleep(int clock_id, int flags, const timespec *request, timespec *remain)
+    int CLOCK_MONOTONIC
 from fastmq._shm cimport Segment
 
 cdef enum:
@@ -177,3 +194,100 @@ def time_memcpy(unsigned char[::1] dst, const unsigned char[::1] src, int64_t[::
             t0 = fmq_now_ns()
             memcpy(&dst[0], &src[0], size)
             out[i] = fmq_now_ns() - t0
+
+
+# -- wake from idle ----------------------------------------------------------
+# Layout: line 0 holds the futex word (u32, the round number the writer
+# published); line 1 + r holds reader r's answer: the round (u64) at +0 and
+# its clock reading at +8.
+
+cdef int _sleep_ns(int64_t ns) noexcept nogil:
+    cdef timespec ts
+    if ns <= 0:
+        return 0
+    ts.tv_sec = ns // 1000000000
+    ts.tv_nsec = ns % 1000000000
+    while clock_nanosleep(CLOCK_MONOTONIC, 0, &ts, &ts) != 0:
+        pass  # interrupted: sleep the rest
+    return 0
+
+
+def wake_segment_size(int n_readers):
+    """Bytes the wake floor's shared segment needs."""
+    _check_readers(n_readers)
+    return PAYLOAD_OFF
+
+
+def wake_writer(Segment seg, int n_readers, uint32_t first_round, int64_t idle_ns,
+                int64_t[:, ::1] out, double timeout_s):
+    """Run ``out.shape[0]`` rounds numbered from ``first_round``: sleep
+    ``idle_ns``, read the clock, publish the round and wake the readers,
+    then wait (spinning, not measured) for every reader's clock reading;
+    ``out[i, r]``: reader r's wake latency in round i, nanoseconds."""
+    if not fmq_have_futex():
+        raise OSError("no futex support on this system")
+    cdef char *base = _base(seg, n_readers, 0)
+    if out.shape[1] != n_readers:
+        raise ValueError("out must have one column per reader")
+    cdef Py_ssize_t n = out.shape[0], i
+    cdef int r, late = 0
+    if first_round < 1:
+        raise ValueError("rounds are numbered from 1")
+    cdef uint32_t s = first_round
+    cdef int64_t t0
+    cdef int64_t timeout_ns = <int64_t>(timeout_s * 1e9)
+    cdef uint32_t *word = <uint32_t *>base
+    with nogil:
+        for i in range(n):
+            s = first_round + <uint32_t>i
+            _sleep_ns(idle_ns)
+            t0 = fmq_now_ns()
+            fmq_store_u32_rel(word, s)
+            fmq_futex_wake_all(word)
+            for r in range(n_readers):
+                if _wait_for(_word(base, 1 + r), s, t0 + timeout_ns, 2_000):
+                    late = 1 + r
+                    break
+                out[i, r] = (<int64_t *>(base + (1 + r) * LINE + 8))[0] - t0
+            if late:
+                break
+    if late:
+        raise TimeoutError("wake floor: reader %d did not wake for round %d within %.1f s"
+                           % (late - 1, s, timeout_s))
+
+
+def wake_reader(Segment seg, int n_readers, int rank, uint32_t first_round,
+                Py_ssize_t rounds, double timeout_s):
+    """Reader ``rank`` of the wake floor: for each round, park in
+    ``FUTEX_WAIT`` until the writer publishes it, read the clock, answer."""
+    if not fmq_have_futex():
+        raise OSError("no futex support on this system")
+    cdef char *base = _base(seg, n_readers, 0)
+    if rank < 0 or rank >= n_readers:
+        raise ValueError("rank %d out of range for %d readers" % (rank, n_readers))
+    cdef Py_ssize_t i
+    cdef uint32_t s = first_round, seen
+    cdef int late = 0
+    cdef int64_t t1, deadline
+    cdef int64_t timeout_ns = <int64_t>(timeout_s * 1e9)
+    cdef uint32_t *word = <uint32_t *>base
+    with nogil:
+        for i in range(rounds):
+            s = first_round + <uint32_t>i
+            deadline = fmq_now_ns() + timeout_ns
+            while True:
+                seen = fmq_load_u32_acq(word)
+                if seen == s:
+                    break
+                if fmq_now_ns() > deadline:
+                    late = 1
+                    break
+                fmq_futex_wait(word, seen, deadline - fmq_now_ns())
+            if late:
+                break
+            t1 = fmq_now_ns()
+            (<int64_t *>(base + (1 + rank) * LINE + 8))[0] = t1
+            fmq_store_u64_rel(_word(base, 1 + rank), s)
+    if late:
+        raise TimeoutError("wake floor: reader %d saw no round %d within %.1f s"
+                           % (rank, s, timeout_s))

@@ -1,12 +1,14 @@
 """fastmq-bench: ``--quick`` runs every scenario end to end and writes valid
 JSON, Markdown and (with matplotlib) plots; a broken implementation makes
-the run fail instead of reporting a time.  No figure is asserted: numbers
-belong to the benchmark, not to tests."""
+the run fail instead of reporting a time; the README's figures are the ones
+generated from bench/results.json; the bench runs without torch.  No figure
+is asserted: numbers belong to the benchmark, not to tests."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -30,9 +32,17 @@ HAVE_VLLM = _have("vllm.distributed.device_communicators.shm_broadcast")
 HAVE_MPL = _have("matplotlib")
 
 
-def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _have_curve() -> bool:
+    import zmq
+
+    return bool(zmq.has("curve"))
+
+
+def bench(*args: str, timeout: float = 240, pythonpath: str | None = None
+          ) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (pythonpath, ROOT, env.get("PYTHONPATH", "")) if p)
     return subprocess.run([sys.executable, "-m", "fastmq.bench", "--no-progress", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -57,7 +67,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
     proc, paths = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(paths["json"].read_text())
-    assert data["schema"] == "fastmq-bench/1"
+    assert data["schema"] == "fastmq-bench/2"
     assert data["command"].startswith("python -m fastmq.bench --no-progress --quick --json ")
     m = data["machine"]
     for key in ("cpu_model", "logical_cpus", "usable_cpus", "kernel", "python"):
@@ -69,17 +79,21 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
 
     recs = data["records"]
     assert all("samples_ns" not in r for r in recs)  # only with --raw
+    remote = {"fastmq-remote"} | ({"fastmq-remote+curve"} if _have_curve() else set())
     expected = {
-        "step": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq", "floor", "floor-memcpy"},
+        "step": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq", "floor",
+                 "floor-memcpy"} | remote,
         "throughput": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq"},
-        "tensor": {"fastmq-futex+arena", "fastmq-futex", "pyzmq", "floor"},
-        "wake": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq"},
+        "tensor": {"fastmq-futex+arena", "fastmq-futex", "pyzmq", "floor"} | remote,
+        "wake": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq", "floor-futex",
+                 "floor-pipe"},
     }
     if HAVE_VLLM:
         assert data["versions"]["vllm"]
         for s in ("step", "throughput", "wake"):
             expected[s] |= {"vllm"}
-        expected["tensor"] |= {"vllm", "vllm+arena"}
+        expected["step"] |= {"vllm-remote"}
+        expected["tensor"] |= {"vllm", "vllm+arena", "vllm-remote"}
     else:  # said so, not silently dropped
         assert any("vllm" in n and "not measured" in n for n in data["notes"])
     for s, impls in expected.items():
@@ -89,6 +103,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
     p = config.preset("quick")
     for r in recs:
         assert r["n_readers"] in (0, 1), r
+        assert r["runs"] == p.repeats
         if r["scenario"] == "throughput":
             assert r["rate"] > 0 and r["messages"] > 0
             assert r["rate_min"] <= r["rate"] <= r["rate_max"]
@@ -102,26 +117,45 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
         if r["scenario"] == "tensor":
             assert r["samples"] == p.tensor_reps and r["size_bytes"] in p.tensor_sizes
             assert r["first_ms"] > 0
-            assert _finite(r["x_floor"])
+            if r["impl"] != "floor":
+                assert _finite(r["vs_floor"])
         if r["scenario"] == "wake":
             assert r["samples"] == p.wake_samples  # one latency per reader per message
-            assert r["cpu_pct"] >= 0 and r["cpu_window_s"] >= p.idle_window_s
             assert r["idle_before_s"] >= p.wake_gap_s
+            if r["impl"].startswith("floor"):
+                assert r["cpu_pct"] is None
+            else:
+                assert r["cpu_pct"] >= 0 and r["cpu_window_s"] >= p.idle_window_s
+            if r["impl"] != "floor-pipe":
+                assert _finite(r["vs_floor"])  # against the Python pipe floor
 
-    # Ratios against vLLM come from the same run's vLLM figures.
+    # Ratios against vLLM come from the same run's vLLM figures on the same
+    # path: arena with arena, arena off with arena off, remote with remote.
     if HAVE_VLLM:
         by = {(r["scenario"], r["impl"], r["size_bytes"]): r for r in recs}
-        f, v = by[("step", "fastmq-futex", config.KiB)], by[("step", "vllm", config.KiB)]
-        assert f["vs_vllm"] == pytest.approx(v["p50"] / f["p50"])
-        assert v["vs_vllm"] == pytest.approx(1.0)
-        t = by[("tensor", "fastmq-futex", p.tensor_sizes[0])]
-        va = by[("tensor", "vllm+arena", p.tensor_sizes[0])]
-        assert t["vs_vllm_arena"] == pytest.approx(va["p50"] / t["p50"])
+        size = p.tensor_sizes[0]
+        for scenario, mine, theirs, sz in (
+                ("step", "fastmq-futex", "vllm", config.KiB),
+                ("step", "fastmq-remote", "vllm-remote", config.KiB),
+                ("tensor", "fastmq-futex", "vllm", size),
+                ("tensor", "fastmq-futex+arena", "vllm+arena", size),
+                ("tensor", "fastmq-remote", "vllm-remote", size)):
+            f, v = by[(scenario, mine, sz)], by[(scenario, theirs, sz)]
+            assert f["vs_vllm"] == pytest.approx(v["p50"] / f["p50"]), (scenario, mine)
+            assert v["vs_vllm"] is None  # vLLM is the reference, not compared with itself
 
-    # The terminal table is on stdout, ratios and all.
+    # The terminal table is on stdout, ratios and the summary too.
     for s in config.SCENARIOS:
         assert report.TITLES[s].split(":")[0] + ":" in proc.stdout
-    assert "vs vLLM" in proc.stdout
+    assert "vs vLLM" in proc.stdout and "summary:" in proc.stdout
+
+
+def test_quick_output_names_no_issue_numbers_or_targets(quick_run):
+    proc, paths = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for text in (proc.stdout, paths["md"].read_text(), paths["json"].read_text()):
+        assert not re.search(r"#\d|\bissues?\b|\btargets?\b", text, re.I), \
+            re.search(r".{60}(#\d|\bissues?\b|\btargets?\b).{60}", text, re.I | re.S)
 
 
 def test_quick_writes_results_md_with_command_line_and_plots(quick_run):
@@ -149,6 +183,24 @@ def test_quick_writes_results_md_with_command_line_and_plots(quick_run):
     else:
         assert not paths["plots"].exists()
         assert any("matplotlib is not installed" in n for n in data["notes"])
+
+
+def test_pyzmq_baseline_handshakes_with_several_readers(tmp_path):
+    # XPUB passes on only the first subscription to a topic unless verbose:
+    # the writer would wait for the second reader's forever.
+    out = tmp_path / "out.json"
+    proc = bench("--quick", "--scenario", "step", "--impl", "pyzmq", "--readers", "2",
+                 "--sizes", "1K", "--timeout", "10", "--json", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["records"]
+    assert (r["impl"], r["n_readers"]) == ("pyzmq", 2) and r["samples"] > 0
+
+
+def test_quick_is_one_run_of_every_figure():
+    # CI runs --quick: one run, the fewest samples that still verify.
+    p = config.preset("quick")
+    assert p.repeats == 1 and config.preset("full").repeats >= 3
+    assert all(ns == [1] for ns in p.readers.values())
 
 
 @pytest.mark.parametrize("broken, scenario, expect", [
@@ -188,9 +240,12 @@ def test_list_names_every_implementation(capsys):
 
     # Only the selected implementations are checked (vLLM is not imported).
     assert main(["--list", "--scenario", "step,wake", "--impl", "fastmq-zmq,pyzmq"]) == 0
-    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines()[1:]}
+    out = capsys.readouterr().out.splitlines()
+    start = next(i for i, ln in enumerate(out) if ln.startswith("implementations"))
+    lines = {ln.split()[0]: ln for ln in out[start + 1:]}
     assert set(lines) == {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "fastmq-futex+arena",
-                          "vllm", "vllm+arena", "pyzmq", "floor"}
+                          "fastmq-remote", "fastmq-remote+curve", "vllm", "vllm+arena",
+                          "vllm-remote", "pyzmq", "floor", "floor-futex", "floor-pipe"}
     assert lines["fastmq-zmq"].endswith("; step, wake; yes")
     assert lines["pyzmq"].endswith("; step, wake; yes")
     assert lines["vllm"].endswith("; not selected; not checked")
@@ -257,34 +312,203 @@ def test_percentiles_are_nearest_rank():
         harness.percentile([], 50)
 
 
-def test_ratios_and_targets_from_records():
-    def rec(scenario, impl, p50, size=config.KiB, n=1, **kw):
-        return {"scenario": scenario, "impl": impl, "n_readers": n, "size_bytes": size,
-                "p50": p50, **kw}
+def _rec(scenario, impl, p50, size=config.KiB, n=1, **kw):
+    return {"scenario": scenario, "impl": impl, "n_readers": n, "size_bytes": size,
+            "p50": p50, "unit": "us", **kw}
 
-    mib = 128 * config.MiB
-    recs = [rec("step", "vllm", 80.0), rec("step", "fastmq-futex", 8.0),
-            rec("step", "fastmq-spin", 7.5),
-            rec("tensor", "vllm", 150.0, mib, 4), rec("tensor", "vllm+arena", 120.0, mib, 4),
-            rec("tensor", "fastmq-futex+arena", 30.0, mib, 4),
-            rec("tensor", "floor", 25.0, mib, 4)]
+
+def test_ratios_compare_like_with_like_in_one_convention():
+    mib = 64 * config.MiB
+    recs = [_rec("step", "vllm", 80.0), _rec("step", "fastmq-futex", 8.0),
+            _rec("step", "floor", 2.0), _rec("step", "vllm-remote", 300.0),
+            _rec("step", "fastmq-remote", 150.0),
+            _rec("tensor", "vllm", 150.0, mib, 4), _rec("tensor", "vllm+arena", 120.0, mib, 4),
+            _rec("tensor", "fastmq-futex+arena", 30.0, mib, 4),
+            _rec("tensor", "fastmq-futex", 300.0, mib, 4),
+            _rec("tensor", "floor", 25.0, mib, 4),
+            _rec("wake", "fastmq-futex", 100.0, None), _rec("wake", "floor-pipe", 60.0, None),
+            {"scenario": "throughput", "impl": "vllm", "n_readers": 1, "size_bytes": 64,
+             "rate": 40e3},
+            {"scenario": "throughput", "impl": "fastmq-futex", "n_readers": 1,
+             "size_bytes": 64, "rate": 300e3}]
     report.annotate(recs)
-    assert recs[1]["vs_vllm"] == pytest.approx(10.0)
-    assert recs[5]["vs_vllm"] == pytest.approx(5.0)
-    assert recs[5]["vs_vllm_arena"] == pytest.approx(4.0)
-    assert recs[5]["x_floor"] == pytest.approx(1.2)
-    got = {t["what"]: t["met"] for t in report.targets(recs)}
-    assert got == {
-        "step 1 KiB N=1: fastmq p50 / vLLM p50": True,
-        "step 1 KiB N=1: fastmq futex p50 / pure spinning p50": True,   # 8 / 7.5 = 1.07
-        "tensor 128 MiB N=4: fastmq+arena / floor": True,
-        "tensor 128 MiB N=4: vllm / fastmq+arena": True,
-        "tensor 128 MiB N=4: vllm+arena / fastmq+arena": True,
-    }
-    recs[1]["p50"] = 30.0
-    assert not report.targets(recs)[0]["met"]
+    by = {(r["scenario"], r["impl"]): r for r in recs}
+    # Always the reference's time / this time: above 1 = faster.
+    assert by[("step", "fastmq-futex")]["vs_vllm"] == pytest.approx(10.0)
+    assert by[("step", "fastmq-futex")]["vs_floor"] == pytest.approx(0.25)
+    assert by[("step", "fastmq-remote")]["vs_vllm"] == pytest.approx(2.0)   # remote vs remote
+    assert by[("tensor", "fastmq-futex+arena")]["vs_vllm"] == pytest.approx(4.0)  # arena
+    assert by[("tensor", "fastmq-futex")]["vs_vllm"] == pytest.approx(0.5)  # off vs off
+    assert by[("tensor", "fastmq-futex")]["vs_floor"] == pytest.approx(25 / 300)
+    assert by[("wake", "fastmq-futex")]["vs_floor"] == pytest.approx(0.6)   # pipe floor
+    assert by[("throughput", "fastmq-futex")]["vs_vllm"] == pytest.approx(7.5)
+    assert by[("step", "vllm")]["vs_vllm"] is None
     md = report.render(["a", "b"], [["1", "2"]], "lr", md=True)
     assert md.splitlines() == ["| a | b |", "| :--- | ---: |", "| 1 | 2 |"]
+    # Both sides of every tensor path are in the summary matrix, losses too.
+    for r in recs:
+        r.setdefault("runs", 1)
+    headers, rows = report.tensor_matrix(recs)
+    assert ["arena", "64 MiB", "30.0 / 120 = 4.0x"] in rows
+    assert ["arena off", "64 MiB", "300 / 150 = 0.50x"] in rows
+
+
+def test_repeated_runs_merge_to_the_median_with_spread():
+    runs = []
+    for p50, v in ((10.0, 50.0), (30.0, 60.0), (20.0, 90.0)):
+        run = [_rec("step", "fastmq-futex", p50, samples=100, min=p50 / 2, max=p50 * 2,
+                    p90=p50, p99=p50, mean=p50, samples_ns=[1, 2]),
+               _rec("step", "vllm", v, samples=100, min=v, max=v, p90=v, p99=v, mean=v,
+                    samples_ns=[3])]
+        report.annotate(run)
+        runs.append(run)
+    merged = {r["impl"]: r for r in report.merge(runs)}
+    f = merged["fastmq-futex"]
+    assert f["runs"] == 3 and f["p50"] == 20.0 and f["p50_runs"] == [10.0, 30.0, 20.0]
+    assert f["samples"] == 300 and f["min"] == 5.0 and f["max"] == 60.0
+    assert f["samples_ns"] == [1, 2] * 3
+    # The ratio is the median of the runs' paired ratios (5, 2, 4.5).
+    assert f["vs_vllm"] == pytest.approx(4.5)
+    assert report.spread(f) == "10.0..30.0"
+    assert report.spread(f, "vs_vllm", report.ratio) == "2.0x..5.0x"
+
+
+def test_a_floor_slower_than_what_it_bounds_is_marked():
+    recs = [_rec("step", "floor", 300.0, config.MiB), _rec("step", "fastmq-futex", 200.0,
+                                                            config.MiB),
+            _rec("step", "vllm", 400.0, config.MiB),
+            _rec("wake", "floor-pipe", 60.0, None), _rec("wake", "fastmq-spin", 50.0, None),
+            _rec("wake", "fastmq-futex", 90.0, None)]
+    notes = report.check_floors(recs)
+    assert recs[0]["not_a_floor"] == ["fastmq-futex"]
+    assert len(notes) == 1 and notes[0].startswith("NOT A FLOOR: floor (step 1 MiB, N=1)")
+    # A spinning reader never parks: the parked-reader floor does not bound it.
+    assert "not_a_floor" not in recs[3]
+    recs[0]["p50"] = 100.0
+    del recs[0]["not_a_floor"]
+    assert report.check_floors(recs) == [] and "not_a_floor" not in recs[0]
+
+
+def test_readme_figures_are_generated_from_results_json():
+    """The README's figures block is exactly what `fastmq-bench --readme
+    bench/results.json` generates: nobody types a figure."""
+    path = os.path.join(ROOT, "bench", "results.json")
+    block = report.readme_block(report.load_results(path), "bench/results.json")
+    current = report.readme_current_block(os.path.join(ROOT, "README.md"))
+    assert current is not None, "README.md has no generated figures block"
+    assert current == block, ("README.md's figures differ from bench/results.json: run "
+                              "`fastmq-bench --readme bench/results.json --update-readme "
+                              "README.md`")
+
+
+def test_a_json_file_from_an_older_run_renders_under_todays_rules(tmp_path):
+    mib = 128 * config.MiB
+    old = {"command": "python -m fastmq.bench --full", "started": "2026-01-01T00:00:00+00:00",
+           "duration_s": 1.0, "config": {"preset": "full"}, "plots": [],
+           "machine": {"cpu_model": "cpu", "usable_cpus": 2, "logical_cpus": 2,
+                       "memory_bytes": None, "kernel": "k", "python": "3"},
+           "versions": {"fastmq": "0"},
+           "notes": ["Ratios: vs vLLM = vLLM's time / this time"],
+           "targets": [{"issue": 3, "what": "x", "value": "1", "target": "2", "met": False}],
+           "records": [
+               _rec("tensor", "vllm", 150.0, mib, warmup=1, samples=10, min=1.0, max=1.0, p90=1.0,
+                    p99=1.0, mean=1.0, vs_vllm=1.0),
+               _rec("tensor", "vllm+arena", 40.0, mib, warmup=1, samples=10, min=1.0, max=1.0,
+                    p90=1.0, p99=1.0, mean=1.0, vs_vllm=150 / 40),
+               _rec("tensor", "fastmq-futex+arena", 20.0, mib, warmup=1, samples=10, min=1.0,
+                    max=1.0, p90=1.0, p99=1.0, mean=1.0, vs_vllm=7.5, vs_vllm_arena=2.0,
+                    x_floor=1.0)]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    md = tmp_path / "RESULTS.md"
+    from fastmq.bench.__main__ import main
+
+    assert main(["--from-json", str(path), "--results-md", str(md)]) == 0
+    text = md.read_text()
+    assert "issue" not in text and "target" not in text and "x_floor" not in text
+    # fastmq's arena is compared with vLLM's arena now, not with vLLM without one.
+    assert "| arena | 128 MiB | 20.0 / 40.0 = 2.0x |" in text
+    assert "One run: figures are not medians of repeated runs." in text
+
+
+def test_update_readme_replaces_only_the_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_BEGIN}\nold 1.0 us\n{report.README_END}\nend\n")
+    assert report.update_readme(str(readme), f"{report.README_BEGIN}\nnew\n{report.README_END}")
+    assert readme.read_text() == f"intro\n{report.README_BEGIN}\nnew\n{report.README_END}\nend\n"
+    readme.write_text("no block here\n")
+    with pytest.raises(ValueError, match="no generated figures block"):
+        report.update_readme(str(readme), "x")
+
+
+def test_runs_without_torch(tmp_path):
+    """A plain install has no torch: the bench skips the tensor scenario and
+    says so, in --list and in the report, instead of crashing."""
+    shadow = tmp_path / "shadow"
+    (shadow / "torch").mkdir(parents=True)
+    (shadow / "torch" / "__init__.py").write_text(
+        "raise ImportError('torch is not installed (shadowed by the test)')\n")
+    proc = bench("--list", "--scenario", "step,tensor", pythonpath=str(shadow), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "scenario tensor: skipped: needs torch" in proc.stdout
+    assert "pip install 'fastmq[torch]'" in proc.stdout
+    out = tmp_path / "out.json"
+    proc = bench("--quick", "--scenario", "step,tensor", "--impl", "fastmq-futex", "--json",
+                 str(out), pythonpath=str(shadow), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["versions"]["torch"] is None
+    assert set(data["skipped_scenarios"]) == {"tensor"}
+    assert {r["scenario"] for r in data["records"]} == {"step"}
+    assert any(n.startswith("Scenario tensor skipped: needs torch") for n in data["notes"])
+    assert "Scenario tensor skipped: needs torch" in proc.stdout
+
+
+def test_wake_floor_validates_and_measures():
+    from fastmq import _floor, segments
+
+    with pytest.raises(ValueError):
+        _floor.wake_segment_size(0)
+    seg = segments.create_segment("bench", _floor.wake_segment_size(1), "test")
+    try:
+        out = np.zeros((2, 1), dtype=np.int64)
+        with pytest.raises(ValueError, match="one column per reader"):
+            _floor.wake_writer(seg, 1, 1, 0, np.zeros((2, 2), np.int64), 1.0)
+        with pytest.raises(ValueError, match="numbered from 1"):
+            _floor.wake_writer(seg, 1, 0, 0, out, 1.0)
+        with pytest.raises(ValueError, match="rank"):
+            _floor.wake_reader(seg, 1, 1, 1, 1, 1.0)
+        # Nobody is parked: the writer gives up with a clear error.
+        with pytest.raises(TimeoutError, match="reader 0 did not wake"):
+            _floor.wake_writer(seg, 1, 1, 0, out, 0.05)
+        # The round is published now: a reader sees it without sleeping.
+        _floor.wake_reader(seg, 1, 0, 1, 1, 1.0)
+        with pytest.raises(TimeoutError, match="reader 0 saw no round 2"):
+            _floor.wake_reader(seg, 1, 0, 2, 1, 0.05)
+    finally:
+        segments.forget_segment(seg.name)
+        seg.unlink()
+        seg.close()
+
+
+def test_watchdog_interrupts_a_receive_without_timeout():
+    import time
+
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.bind("inproc://fastmq-bench-watchdog")
+    try:
+        w = harness.Watchdog(0.3, "pyzmq (step, N=1): no answer from the readers")
+        t0 = time.monotonic()
+        with pytest.raises(harness.BenchError, match="no answer from the readers within 0 s"):
+            s.recv()  # nobody sends: only the watchdog ends this
+        w.stop()
+        assert time.monotonic() - t0 < 30
+    finally:
+        s.close(linger=0)
+        ctx.term()
 
 
 def test_floor_pingpong_and_memcpy_validate_their_arguments():

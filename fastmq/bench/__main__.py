@@ -25,14 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "the hardware floors, side by side in one run. Scenarios: step "
                     "(executor round trip), throughput (small messages, pipelined), "
                     "tensor (large CPU tensors, every byte read), wake (latency from "
-                    "idle, idle CPU). The defaults finish in under two minutes on 2 cores.",
+                    "idle, idle CPU). Every ratio is the reference's time / this row's "
+                    "time: above 1x, faster than the reference.",
     )
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true",
-                        help="smoke run, a few seconds per scenario (CI)")
+                        help="smoke run: every scenario and implementation once, few "
+                             "samples (CI)")
     preset.add_argument("--full", action="store_true",
-                        help="every figure the issues ask for: N=1,2,4, payloads 100 B to "
-                             "1 MiB, tensors 16 to 256 MiB, a 5 s idle window (minutes)")
+                        help="every figure, each the median of 3 runs: N=1,2,4, payloads "
+                             "100 B to 1 MiB, tensors 16/64/256 MiB, a 5 s idle window")
     p.add_argument("--scenario", action="append", metavar="NAME[,NAME]",
                    help=f"scenarios to run: {', '.join(config.SCENARIOS)} or all (default all)")
     p.add_argument("--readers", metavar="N[,N]",
@@ -47,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wake: idle-CPU window after the last message (full: 5 s)")
     p.add_argument("--wake-gap", type=float, metavar="SECONDS",
                    help="wake: how long readers stay parked before each message (0.1 s)")
+    p.add_argument("--repeat", type=int, metavar="R",
+                   help="run everything R times in turn; each figure is the median of "
+                        "the R runs, with their spread (full: 3)")
     p.add_argument("--json", metavar="PATH", help="write every figure and machine details")
     p.add_argument("--raw", action="store_true", help="include every sample in the JSON")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
@@ -59,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--list", action="store_true",
                    help="list the implementations and whether they run here, then exit")
+    p.add_argument("--from-json", metavar="JSON",
+                   help="measure nothing: print (and write with --json / --results-md) the "
+                        "report of the run saved in JSON")
+    p.add_argument("--readme", metavar="JSON",
+                   help="print the README's figures block generated from JSON (a file "
+                        "written by --json, e.g. bench/results.json), then exit")
+    p.add_argument("--update-readme", metavar="README",
+                   help="with --readme: replace the generated block in README instead "
+                        "of printing it")
     # Test only: add an implementation that loses or corrupts a message, to
     # prove that such a run fails instead of reporting a time.
     p.add_argument("--broken", choices=("drop", "corrupt"), help=argparse.SUPPRESS)
@@ -98,6 +112,10 @@ def params_from_args(args) -> tuple[config.Params, list[str]]:
             raise ValueError("--tensor-sizes: tensors must be at least 16 bytes, "
                              "a multiple of 8")
         kw["tensor_sizes"] = sizes
+    if args.repeat is not None:
+        if not 1 <= args.repeat <= 100:
+            raise ValueError("--repeat must be in 1..100")
+        kw["repeats"] = args.repeat
     for flag, field, low in (("idle_window", "idle_window_s", 0.05),
                              ("wake_gap", "wake_gap_s", 0.0), ("timeout", "timeout_s", 1.0)):
         value = getattr(args, flag)
@@ -119,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.readme or args.update_readme:
+        return _readme(parser, args)
+    if args.from_json:
+        return _render(args, argv, from_module)
     try:
         params, scenarios = params_from_args(args)
     except ValueError as e:
@@ -140,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastmq-bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.list:
-        print(runner.describe(plan))
+        print(runner.describe(plan, scenarios))
         return 0
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t0 = time.monotonic()
     try:
         result = runner.run(plan, params, start_method=args.start_method,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, scenarios=scenarios)
     except runner.BenchError as e:
         print(f"fastmq-bench: FAILED: {e}", file=sys.stderr)
         print("fastmq-bench: no figures reported: a run that cannot verify what its "
@@ -182,6 +204,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.results_md}")
     for p in plots:
         print(f"wrote {p}")
+    return 0
+
+
+def _render(args, argv, from_module) -> int:
+    from fastmq.bench import report
+
+    try:
+        result = report.load_results(args.from_json)
+    except (OSError, ValueError) as e:
+        print(f"fastmq-bench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    result["rendered_by"] = command_line(argv, from_module)
+    print(report.terminal(result))
+    if args.json:
+        report.write_json(args.json, result, raw=True)  # keeps whatever the file had
+        print(f"\nwrote {args.json}")
+    if args.results_md:
+        report.write_markdown(args.results_md, result, result.get("plots") or [])
+        print(f"wrote {args.results_md}")
+    return 0
+
+
+def _readme(parser, args) -> int:
+    from fastmq.bench import report
+
+    if not args.readme:
+        parser.print_usage(sys.stderr)
+        print("fastmq-bench: error: --update-readme needs --readme JSON", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        result = report.load_results(args.readme)
+        block = report.readme_block(result, args.readme)
+        if args.update_readme:
+            changed = report.update_readme(args.update_readme, block)
+            print(f"{'updated' if changed else 'unchanged'}: {args.update_readme}")
+        else:
+            print(block)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"fastmq-bench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

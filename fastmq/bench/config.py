@@ -17,6 +17,9 @@ class Params:
     """Everything a run needs; picklable, sent to every reader process."""
 
     preset: str = "default"
+    # whole runs: every scenario and implementation, then all again; each
+    # figure is the median over the runs (their spread is reported).
+    repeats: int = 1
     # readers per scenario (N): the runs with 1 writer and N readers.
     readers: dict = field(default_factory=lambda: {
         "step": [1, 2], "throughput": [1, 2], "tensor": [1, 2], "wake": [1]})
@@ -33,7 +36,7 @@ class Params:
     tp_warmup_reps: int = 1
     tp_reps: int = 2
     # tensor: CPU tensor broadcast, every reader reads every byte.
-    tensor_sizes: list = field(default_factory=lambda: [16 * MiB, 128 * MiB])
+    tensor_sizes: list = field(default_factory=lambda: [16 * MiB, 64 * MiB])
     # Warm-up covers a cycle of the ring's chunks and the arenas' slots (10
     # and 8 by default): the counted messages are the steady state, not
     # the first touch of fresh shared-memory pages (the first message's
@@ -53,32 +56,34 @@ class Params:
 
 
 def preset(name: str) -> Params:
-    """``quick``: a smoke run CI exercises (a few seconds per scenario);
-    ``default``: under two minutes on 2 cores; ``full``: every figure the
-    issues ask for (N = 1, 2, 4; 16 to 256 MiB; a 5 s idle window)."""
+    """``quick``: a smoke run CI exercises (every scenario and
+    implementation once, with the fewest samples that still verify);
+    ``default``: a few minutes on 2 cores; ``full``: every figure of the
+    report, each the median of 3 runs (N = 1, 2, 4; 16, 64 and 256 MiB
+    tensors; a 5 s idle window)."""
     if name == "default":
         return Params()
     if name == "quick":
         return Params(
             preset="quick",
             readers={"step": [1], "throughput": [1], "tensor": [1], "wake": [1]},
-            step_sizes=[KiB, MiB], step_warmup=30, step_min=50, step_max=400,
-            step_budget_s=0.05,
-            tp_budget_s=0.1, tp_max_msgs=20_000, tp_warmup_reps=0, tp_reps=1,
-            tensor_sizes=[16 * MiB], tensor_warmup=1, tensor_reps=2,
-            wake_samples=3, wake_warmup=5, idle_window_s=0.3,
+            step_sizes=[KiB, MiB], step_warmup=10, step_min=20, step_max=100,
+            step_budget_s=0.02,
+            tp_budget_s=0.05, tp_max_msgs=5_000, tp_warmup_reps=0, tp_reps=1,
+            tensor_sizes=[16 * MiB], tensor_warmup=2, tensor_reps=1,
+            wake_samples=2, wake_warmup=2, wake_gap_s=0.02, idle_window_s=0.1,
             timeout_s=30.0,
         )
     if name == "full":
         return Params(
-            preset="full",
+            preset="full", repeats=3,
             readers={"step": [1, 2, 4], "throughput": [1, 2, 4], "tensor": [1, 2, 4],
                      "wake": [1, 2]},
             step_sizes=[100, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
-            step_warmup=500, step_min=1000, step_max=20_000, step_budget_s=1.0,
-            tp_budget_s=1.0, tp_max_msgs=1_000_000, tp_warmup_reps=1, tp_reps=3,
-            tensor_sizes=[16 * MiB, 128 * MiB, 256 * MiB], tensor_warmup=12, tensor_reps=10,
-            wake_samples=40, wake_warmup=50, idle_window_s=5.0,
+            step_warmup=300, step_min=500, step_max=10_000, step_budget_s=0.4,
+            tp_budget_s=0.5, tp_max_msgs=500_000, tp_warmup_reps=1, tp_reps=2,
+            tensor_sizes=[16 * MiB, 64 * MiB, 256 * MiB], tensor_warmup=9, tensor_reps=5,
+            wake_samples=20, wake_warmup=30, idle_window_s=5.0,
             timeout_s=120.0,
         )
     raise ValueError(f"unknown preset {name!r}")

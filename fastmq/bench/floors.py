@@ -10,11 +10,22 @@ same run as the queues.
 * ``floor`` in ``tensor``: one memcpy into a pre-faulted shared segment plus
   every reader reading every byte of it (an implementation in impls.py, run
   through the same harness as the queues).
+* ``floor-futex`` and ``floor-pipe`` in ``wake``: the latency of waking a
+  parked reader after the writer slept as long as it does before each queue
+  sample: in C (reader in ``FUTEX_WAIT``), and in Python (reader blocked in
+  ``os.read`` on a pipe; the writer writes its clock reading after
+  ``time.sleep``).  The Python pipe is the floor for a queue written in
+  Python: same interpreter, same cold caches after the sleep, one syscall
+  on each side.
+
+A floor measured slower than an implementation it bounds is marked in the
+report (it is then not a floor: the machine changed under the run).
 """
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -175,3 +186,206 @@ def memcpy_floor(sizes: list[int]) -> list[dict]:
                         "oversubscribed": False, **summarize(samples, 1e3),
                         "samples_ns": samples})
     return records
+
+
+# ---------------------------------------------------------------------------
+# wake from idle: a C futex and a Python pipe, with the writer sleeping as
+# long as it does before each fastmq wake sample
+
+def _wake_futex_reader(name: str, n: int, rank: int, conn, timeout_s: float) -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    from fastmq._shm import Segment
+
+    _floor = _floor_module()
+    seg = Segment.attach(name)
+    try:
+        conn.send(("ready", os.getpid()))
+        while True:
+            cmd = conn.recv()
+            if cmd is None:
+                break
+            first, rounds = cmd
+            _floor.wake_reader(seg, n, rank, first, rounds, timeout_s)
+            conn.send(("ok",))
+    except BaseException as e:
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except BaseException:
+            pass
+        raise SystemExit(1)
+    finally:
+        seg.close()
+
+
+def _now() -> int:
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def _wake_pipe_reader(stamps, answers, conn) -> None:
+    """Blocked in ``os.read`` on a pipe until the writer's stamp arrives;
+    answers with the latency on a pipe of its own.  (``Pipe(duplex=False)``
+    is a plain ``os.pipe()``; only its file descriptors are used.)"""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    now, read, write = _now, os.read, os.write
+    rfd, wfd = stamps.fileno(), answers.fileno()
+    try:
+        conn.send(("ready", os.getpid()))
+        while True:
+            data = read(rfd, 8)
+            t1 = now()
+            if len(data) != 8:  # the writer closed its end: done
+                break
+            write(wfd, (t1 - int.from_bytes(data, "little")).to_bytes(8, "little",
+                                                                      signed=True))
+        conn.send(("ok",))
+    except BaseException as e:
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except BaseException:
+            pass
+        raise SystemExit(1)
+    finally:
+        stamps.close()
+        answers.close()
+
+
+def _stop(procs, conns) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    for c in conns:
+        c.close()
+
+
+def wake_floor(env, name: str, n: int, idle_s: float, params, progress) -> list[int]:
+    """One-way latencies (ns) of ``floor-futex`` or ``floor-pipe``:
+    ``params.wake_warmup`` rounds without sleeping, then
+    ``params.wake_samples`` rounds each after sleeping ``idle_s``."""
+    if name == "floor-futex":
+        return _wake_futex(env, n, idle_s, params, progress)
+    if name == "floor-pipe":
+        return _wake_pipe(env, n, idle_s, params, progress)
+    raise ValueError(f"not a wake floor: {name!r}")
+
+
+def _wake_futex(env, n, idle_s, params, progress) -> list[int]:
+    from fastmq import segments
+
+    _floor = _floor_module()
+    seg = segments.create_segment("bench", _floor.wake_segment_size(n),
+                                  "the benchmark's wake floor")
+    procs, conns = [], []
+    try:
+        for rank in range(n):
+            r, w = env.ctx.Pipe()
+            p = env.ctx.Process(target=_wake_futex_reader, daemon=True,
+                                args=(seg.name, n, rank, w, params.timeout_s))
+            p.start()
+            w.close()
+            procs.append(p)
+            conns.append(r)
+        for rank, c in enumerate(conns):
+            _expect(c, rank, "ready", params.timeout_s)
+        out = []
+        first = 1
+        for rounds, idle in ((params.wake_warmup, 0.0), (params.wake_samples, idle_s)):
+            if not rounds:
+                continue
+            progress.detail(f"{rounds} rounds, {idle:g} s idle before each")
+            for c in conns:
+                c.send((first, rounds))
+            lat = np.zeros((rounds, n), dtype=np.int64)
+            try:
+                _floor.wake_writer(seg, n, first, int(idle * 1e9), lat,
+                                   params.timeout_s + idle)
+            except TimeoutError as e:
+                errors = [c.recv()[1] for c in conns if c.poll(0.5)]
+                raise BenchError(f"floor-futex (wake, N={n}): "
+                                 f"{errors[0] if errors else e}") from None
+            for rank, c in enumerate(conns):
+                _expect(c, rank, "ok", params.timeout_s)
+            first += rounds
+            out = lat.reshape(-1).tolist()
+        for c in conns:
+            c.send(None)
+        for rank, p in enumerate(procs):
+            p.join(params.timeout_s)
+            if p.is_alive() or p.exitcode != 0:
+                raise BenchError(f"floor-futex (wake, N={n}): reader {rank} did not exit "
+                                 f"cleanly (exit code {p.exitcode})")
+    finally:
+        _stop(procs, conns)
+        segments.forget_segment(seg.name)
+        seg.unlink()
+        seg.close()
+    return out
+
+
+def _wake_pipe(env, n, idle_s, params, progress) -> list[int]:
+    procs, conns, ends = [], [], []
+    to_readers, from_readers = [], []
+    try:
+        for _ in range(n):
+            stamps_r, stamps_w = env.ctx.Pipe(duplex=False)
+            answers_r, answers_w = env.ctx.Pipe(duplex=False)
+            ends += [stamps_r, stamps_w, answers_r, answers_w]
+            r, w = env.ctx.Pipe()
+            p = env.ctx.Process(target=_wake_pipe_reader, daemon=True,
+                                args=(stamps_r, answers_w, w))
+            p.start()
+            w.close()
+            stamps_r.close()
+            answers_w.close()
+            procs.append(p)
+            conns.append(r)
+            to_readers.append(stamps_w)
+            from_readers.append(answers_r)
+        for rank, c in enumerate(conns):
+            _expect(c, rank, "ready", params.timeout_s)
+        now, sleep, write = _now, time.sleep, os.write
+        wfds = [c.fileno() for c in to_readers]
+        rfds = [c.fileno() for c in from_readers]
+        out: list[int] = []
+        for i in range(params.wake_warmup + params.wake_samples):
+            counted = i >= params.wake_warmup
+            if counted:
+                progress.detail(f"sample {i - params.wake_warmup + 1}/{params.wake_samples}")
+                sleep(idle_s)
+            stamp = now().to_bytes(8, "little")
+            for fd in wfds:
+                write(fd, stamp)
+            for rank, fd in enumerate(rfds):
+                data = _read_exact(fd, 8, params.timeout_s, rank)
+                if counted:
+                    out.append(int.from_bytes(data, "little", signed=True))
+        for c in to_readers:
+            c.close()
+        for rank, c in enumerate(conns):
+            _expect(c, rank, "ok", params.timeout_s)
+        for rank, p in enumerate(procs):
+            p.join(params.timeout_s)
+            if p.is_alive() or p.exitcode != 0:
+                raise BenchError(f"floor-pipe (wake, N={n}): reader {rank} did not exit "
+                                 f"cleanly (exit code {p.exitcode})")
+    finally:
+        _stop(procs, conns)
+        for c in ends:
+            c.close()
+    if any(x <= 0 for x in out):
+        raise BenchError("floor-pipe: a reader saw a stamp from its future")
+    return out
+
+
+def _read_exact(fd: int, n: int, timeout_s: float, rank: int) -> bytes:
+    import select
+
+    if not select.select([fd], [], [], timeout_s)[0]:
+        raise BenchError(f"floor-pipe: reader {rank} silent for {timeout_s:.0f} s")
+    data = os.read(fd, n)
+    if len(data) != n:
+        raise BenchError(f"floor-pipe: reader {rank} exited")
+    return data

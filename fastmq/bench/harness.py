@@ -136,6 +136,7 @@ class ReaderGroup:
         self.results: list = [None] * n
         self.sent = 0  # messages sent, the stop message excepted
         self._errors: dict[int, str] = {}
+        self._watch = None
 
     @property
     def where(self) -> str:
@@ -179,6 +180,8 @@ class ReaderGroup:
         self.writer.attach_acks(specs)
         with deadline(self.timeout, f"{self.where}: handshake with the readers"):
             self.writer.ready()
+        if getattr(self.writer, "needs_watchdog", False):
+            self._watch = Watchdog(self.timeout, f"{self.where}: no answer from the readers")
 
     def _control(self, rank: int, what: str):
         """Next message from reader ``rank``'s control pipe; a reader that
@@ -247,6 +250,9 @@ class ReaderGroup:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         for c in self.conns:
             c.close()
         self.conns = []
@@ -258,6 +264,8 @@ class ReaderGroup:
     def send(self, obj) -> None:
         if obj is not None:
             self.sent += 1
+        if self._watch is not None:
+            self._watch.last = time.monotonic()
         try:
             self.writer.send(obj, self.timeout)
         except BenchError:
@@ -266,6 +274,8 @@ class ReaderGroup:
             raise self.failure(f"sending failed: {_describe(e)}") from e
 
     def ack(self, rank: int):
+        if self._watch is not None:
+            self._watch.last = time.monotonic()
         try:
             a = self.writer.ack(rank, self.timeout)
         except BenchError:
@@ -338,6 +348,36 @@ def deadline(seconds: float, what: str):
         _active.clear()
         done.set()
         t.join()
+
+
+class Watchdog:
+    """For writers whose waits have no timeout (a blocking ``recv``): if
+    ``last`` (set before each wait) is older than ``seconds``, interrupt the
+    main thread with ``BenchError`` -- the same signal ``deadline`` uses."""
+
+    def __init__(self, seconds: float, what: str):
+        self.last = time.monotonic()
+        self._seconds = seconds
+        self._what = what
+        self._done = threading.Event()
+        self._main = threading.main_thread().ident
+        signal.signal(signal.SIGUSR1, _on_deadline)
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        step = min(1.0, self._seconds / 4)
+        while not self._done.wait(step):
+            if time.monotonic() - self.last > self._seconds:
+                _active.update(what=f"{self._what} within {self._seconds:.0f} s",
+                               fired=True)
+                signal.pthread_kill(self._main, signal.SIGUSR1)
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+        _active.clear()
 
 
 # ---------------------------------------------------------------------------

@@ -13,14 +13,19 @@ and a reader end (one per reader process):
 Families:
 
 * ``fastmq``: ``fastmq.MessageQueue`` with a given wait mode and the tensor
-  arena on or off; answers on a ``MessageQueue(1, 1)`` per reader.
-* ``vllm``: vLLM 0.33.0's ``MessageQueue`` (arena on or off), when importable.
-* ``pyzmq``: plain pyzmq, XPUB/SUB for the broadcast (the same pickle-5
-  frames as the queues, large buffers as separate zero-copy frames) and
-  PUSH/PULL for the answers, over ipc.
-* ``floor``: for tensors, one memcpy into a pre-faulted shared segment that
-  readers view in place, signalled by a small fastmq message: one copy plus
-  the readers' reads.  (The step floor is a C ping-pong, see floors.py.)
+  arena on or off; answers on a ``MessageQueue(1, 1)`` per reader.  The
+  ``-remote`` variants make every reader a remote reader (TCP over
+  loopback, ``n_local_reader=0``), with CURVE off or on.
+* ``vllm``: vLLM 0.33.0's ``MessageQueue`` (arena on or off, or every
+  reader remote), when importable.
+* ``pyzmq``: plain pyzmq, the fastest it goes without a shared-memory ring:
+  PUB/SUB for the broadcast (the same pickle-5 frames as the queues, large
+  buffers as separate zero-copy frames), PUSH/PULL for the answers, over
+  ipc, every receive a blocking ``recv``.
+* ``floor``: no queue at all.  For tensors: one memcpy into a pre-faulted
+  shared segment that readers view in place, signalled by a small fastmq
+  message (one copy plus the readers' reads).  The step floor and the two
+  wake floors (C futex, Python pipe) are in floors.py.
 
 ``broken-drop`` / ``broken-corrupt`` are fastmq with a deliberate fault
 (selected only by the hidden ``--broken`` option): the run must fail.
@@ -49,6 +54,9 @@ class Impl:
     wait_mode: str | None = None
     arena: bool | None = None
     broken: str | None = None   # drop | corrupt (test-only)
+    remote: bool = False        # every reader attaches over TCP (loopback)
+    curve: bool = False         # remote path with CURVE (fastmq only)
+    needs_torch: bool = False
 
     # -- properties used by the scenarios -----------------------------------
     @property
@@ -71,10 +79,13 @@ class Impl:
     def make_writer(self, n_readers: int, capacity: int = 0):
         if self.family == "fastmq":
             cls = _BrokenWriter if self.broken else _QueueWriter
-            return cls(self, _fastmq_mq(), n_readers, self._fastmq_kwargs(self.arena))
+            kw = self._fastmq_kwargs(self.arena)
+            if self.remote:
+                kw["remote_curve"] = self.curve
+            return cls(self, _fastmq_mq(), n_readers, kw)
         if self.family == "vllm":
-            return _QueueWriter(self, _vllm_mq(), n_readers,
-                                {"enable_shm_tensor_arena": bool(self.arena)})
+            kw = {} if self.remote else {"enable_shm_tensor_arena": bool(self.arena)}
+            return _QueueWriter(self, _vllm_mq(), n_readers, kw)
         if self.family == "pyzmq":
             return _ZmqWriter(n_readers)
         if self.family == "floor":
@@ -117,6 +128,8 @@ def _vllm_mq():
     return MessageQueue
 
 
+REMOTE_IP = "127.0.0.1"
+
 # The registry: what each name means.  Scenarios pick from it.
 IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("fastmq-futex", "fastmq", "fastmq, readers spin briefly then park on a futex",
@@ -127,13 +140,36 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          wait_mode="spin", arena=False),
     Impl("fastmq-futex+arena", "fastmq", "fastmq (futex) with the shared-memory tensor arena",
          wait_mode="futex", arena=True),
+    Impl("fastmq-remote", "fastmq", "fastmq, every reader remote (TCP over loopback), "
+         "CURVE off", wait_mode="futex", arena=False, remote=True, curve=False),
+    Impl("fastmq-remote+curve", "fastmq", "fastmq, every reader remote (TCP over loopback), "
+         "CURVE on", wait_mode="futex", arena=False, remote=True, curve=True),
     Impl("vllm", "vllm", "vLLM 0.33.0 MessageQueue (its default: no tensor arena)",
          arena=False),
     Impl("vllm+arena", "vllm", "vLLM 0.33.0 MessageQueue with enable_shm_tensor_arena=True",
          arena=True),
-    Impl("pyzmq", "pyzmq", "plain pyzmq: XPUB/SUB broadcast, PUSH/PULL answers, ipc"),
+    Impl("vllm-remote", "vllm", "vLLM 0.33.0 MessageQueue, every reader remote (TCP over "
+         "loopback)", arena=False, remote=True),
+    Impl("pyzmq", "pyzmq", "plain pyzmq: PUB/SUB broadcast, PUSH/PULL answers, ipc, "
+         "blocking recv"),
     Impl("floor", "floor", "floor: bare shared memory, no queue (see the notes)"),
+    Impl("floor-futex", "floor", "floor: a C reader parked in FUTEX_WAIT, woken by a C "
+         "writer that slept as long"),
+    Impl("floor-pipe", "floor", "floor: a Python reader blocked in os.read() on a pipe, "
+         "woken by a Python writer that slept as long"),
 ]}
+
+# Which vLLM row each row is compared with: like with like (arena with
+# arena, arena off with arena off, remote with remote).
+VLLM_COUNTERPART = {
+    "fastmq-futex+arena": "vllm+arena", "vllm+arena": "vllm+arena",
+    "fastmq-remote": "vllm-remote", "fastmq-remote+curve": "vllm-remote",
+    "vllm-remote": "vllm-remote",
+}
+
+
+def vllm_counterpart(name: str) -> str:
+    return VLLM_COUNTERPART.get(name, "vllm")
 
 BROKEN = {
     "drop": Impl("broken-drop", "fastmq", "TEST ONLY: fastmq that loses a message",
@@ -151,13 +187,23 @@ def availability(impl: Impl) -> tuple[bool, str]:
         except Exception as e:  # ImportError, or vLLM failing at import time
             return False, f"vLLM is not importable here ({type(e).__name__}: {e})"
         return True, ""
-    if impl.family == "floor":
+    if impl.family == "floor" and impl.name != "floor-pipe":
         try:
             from fastmq import _floor  # noqa: F401
         except ImportError as e:
             return False, (f"the C floor is not built ({e}): run `python setup.py "
                            "build_ext --inplace` or reinstall fastmq")
-    if impl.wait_mode == "futex":
+    if impl.name == "floor-futex":
+        from fastmq._ring import have_futex
+
+        if not have_futex():
+            return False, "no futex support on this system"
+    if impl.remote and impl.curve:
+        import zmq
+
+        if not zmq.has("curve"):
+            return False, "this libzmq has no CURVE support"
+    if impl.wait_mode == "futex" and not impl.remote:
         from fastmq._ring import have_futex
 
         if not have_futex():
@@ -172,7 +218,12 @@ class _QueueWriter:
     def __init__(self, impl: Impl, mq_cls, n_readers: int, kwargs: dict):
         self.impl = impl
         self._cls = mq_cls
-        self._mq = mq_cls(n_readers, n_readers, **kwargs)
+        if impl.remote:
+            # Every reader remote, over loopback: the TCP path a reader on
+            # another node takes, with this machine's CPUs doing both ends.
+            self._mq = mq_cls(n_readers, 0, connect_ip=REMOTE_IP, **kwargs)
+        else:
+            self._mq = mq_cls(n_readers, n_readers, **kwargs)
         self.spec = self._mq.export_handle()
         # Whether the queue really has a tensor arena (fastmq builds without
         # one ignore the switch).
@@ -288,6 +339,18 @@ def _ipc_path() -> tuple[str, str]:
 
 
 class _ZmqWriter:
+    """The best a plain pyzmq broadcast does: XPUB (a PUB that also sees the
+    readers' subscriptions, so nothing is sent before every reader listens),
+    a one-frame message sent with one copying ``send`` (no frame objects),
+    large buffers as extra zero-copy frames, and each answer taken with one
+    blocking ``recv``: no poll, and no ``RCVTIMEO`` either (measured: a
+    receive timeout adds about 15 us to the round trip).  The harness's
+    watchdog interrupts a receive that waits too long."""
+
+    # ReaderGroup runs a watchdog thread for writers whose waits have no
+    # timeout of their own.
+    needs_watchdog = True
+
     def __init__(self, n_readers: int):
         import zmq
 
@@ -302,6 +365,8 @@ class _ZmqWriter:
         self._pulls: list = []
         try:
             self._pub = self._ctx.socket(zmq.XPUB)
+            # Every reader's subscription reaches ready(), not only the
+            # first one for a topic.
             self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             # No high-water mark: PUB drops messages past it, and a dropped
             # message fails the run (the throughput scenario sends faster
@@ -334,15 +399,16 @@ class _ZmqWriter:
             self._pub.recv()
 
     def send(self, obj, timeout: float) -> None:
-        # copy=False: pyzmq still copies frames under its copy threshold
-        # (64 KiB) and sends big buffers zero-copy.
-        self._pub.send_multipart(self._encoder.encode(obj), copy=False)
+        frames = self._encoder.encode(obj)
+        if len(frames) == 1:
+            self._pub.send(frames[0])
+        else:
+            # Big out-of-band buffers zero-copy (pyzmq copies frames under
+            # its copy threshold anyway).
+            self._pub.send_multipart(frames, copy=False)
 
     def ack(self, rank: int, timeout: float):
-        s = self._pulls[rank]
-        if not s.poll(int(timeout * 1000)):
-            raise TimeoutError(f"no answer from reader {rank} within {timeout} s")
-        return pickle.loads(s.recv())
+        return pickle.loads(self._pulls[rank].recv())
 
     def close(self) -> None:
         from fastmq import segments
@@ -370,21 +436,19 @@ class _ZmqReader:
         self._sub.connect(pub_addr)
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.connect(pull_addrs[rank])
-        self._timeout_ms = None
         self.ack_spec = None
 
     def ready(self) -> None:
         pass
 
     def recv(self, timeout: float):
-        ms = int(timeout * 1000)
-        if ms != self._timeout_ms:  # a blocking recv with a timeout: one call
-            self._sub.setsockopt(self._zmq.RCVTIMEO, ms)
-            self._timeout_ms = ms
-        try:
-            main, *oob = self._sub.recv_multipart(copy=False)
-        except self._zmq.Again:
-            raise TimeoutError(f"no message within {timeout} s") from None
+        # No timeout (see _ZmqWriter): a reader left waiting is stopped by
+        # the harness when the writer gives up.
+        zmq, sub = self._zmq, self._sub
+        main = sub.recv()
+        oob = []
+        while sub.get(zmq.RCVMORE):
+            oob.append(sub.recv(copy=False).buffer)
         return self._decode(main, oob)
 
     def reply(self, obj, timeout: float) -> None:

@@ -49,15 +49,22 @@ def machine() -> dict:
 
 
 def versions(with_vllm: bool) -> dict:
+    """Versions of what was measured; ``torch``: None when not installed
+    (the tensor scenario is then skipped)."""
     import numpy
-    import torch
     import zmq
 
     import fastmq
 
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
     out = {
         "fastmq": fastmq.__version__,
-        "torch": torch.__version__,
+        "torch": torch_version,
         "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(),
         "numpy": numpy.__version__,

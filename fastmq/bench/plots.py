@@ -13,7 +13,7 @@ def available() -> tuple[bool, str]:
         import matplotlib  # noqa: F401
     except ImportError:
         return False, ("matplotlib is not installed: no plots (pip install "
-                       "'fastmq[plot]' or matplotlib)")
+                       "'vllm-fastmq[plot]' or matplotlib)")
     return True, ""
 
 

@@ -17,6 +17,7 @@ class Progress:
         self.label = ""
         self.t0 = time.monotonic()
         self._shown = False
+        self.prefix = ""  # e.g. "run 2/3  " while repeating the scenarios
 
     def _elapsed(self) -> str:
         s = int(time.monotonic() - self.t0)
@@ -25,13 +26,13 @@ class Progress:
     def start(self, label: str) -> None:
         """A new run (one implementation at one N)."""
         self.i += 1
-        self.label = label
+        self.label = self.prefix + label
         if not self.enabled:
             return
         if self.tty:
-            self._line(label)
+            self._line(self.label)
         else:
-            print(f"[{self.i}/{self.total} {self._elapsed()}] {label}", file=self.stream,
+            print(f"[{self.i}/{self.total} {self._elapsed()}] {self.label}", file=self.stream,
                   flush=True)
 
     def detail(self, text: str) -> None:

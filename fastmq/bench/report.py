@@ -1,25 +1,38 @@
-"""From records to what people read: ratios against vLLM, the terminal
-tables, ``RESULTS.md``, the JSON file, and the targets the issues set.
+"""From records to what people read: ratios, the merging of repeated
+runs, the floor check, the terminal tables, ``RESULTS.md``, the JSON file
+and the README's figures table.
 
 A record is one figure set: ``scenario``, ``impl``, ``n_readers``,
-``size_bytes`` and the statistics (see the scenario modules).  Ratios are
-"times faster than vLLM": vLLM's time divided by the implementation's (or
-the implementation's rate divided by vLLM's), so > 1 is faster.
+``size_bytes`` and the statistics (see the scenario modules).
+
+One ratio convention everywhere (``RATIO_RULE``): the reference's time
+divided by this row's time (for rates: this row's rate divided by the
+reference's), so above 1x this row is faster than the reference.  The
+reference for "vs vLLM" is vLLM in the same configuration (``impls.
+VLLM_COUNTERPART``: arena with arena, arena off with arena off, remote with
+remote); for "vs floor" it is the scenario's floor from the same run.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import statistics
 
 from fastmq.bench import config
 from fastmq.bench.config import fmt_size
+from fastmq.bench.impls import vllm_counterpart
 
-ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor"),
+RATIO_RULE = ("ratio = the reference's time / this row's time (for rates: this row's rate / "
+              "the reference's rate): above 1x this row is faster than the reference")
+
+ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "fastmq-remote",
+                  "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor"),
          "throughput": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq"),
-         "tensor": ("fastmq-futex+arena", "fastmq-futex", "vllm+arena", "vllm", "pyzmq",
-                    "floor"),
-         "wake": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq")}
+         "tensor": ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm",
+                    "fastmq-remote", "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor"),
+         "wake": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor-pipe",
+                  "floor-futex")}
 
 TITLES = {
     "step": "step: executor round trip (1 writer broadcasts, each of N readers answers "
@@ -32,16 +45,48 @@ TITLES = {
             "(microseconds), and CPU used by an idle reader",
 }
 
+# The floor each scenario's "vs floor" column uses.
+FLOOR_OF = {"step": "floor", "tensor": "floor", "wake": "floor-pipe"}
+
+
+def bounded_by(floor: str, impl: str) -> bool:
+    """Whether floor ``floor`` must come out at or below ``impl``'s time."""
+    if impl == floor or impl == "floor-memcpy":
+        return False
+    if floor == "floor":
+        # The tensor arenas may copy with several threads; the floor's copy
+        # is one memcpy on one thread.
+        return not impl.endswith("+arena")
+    if floor == "floor-pipe":
+        # A reader that never sleeps (spin) is no parked reader.
+        return impl not in ("fastmq-spin", "floor-futex") and not impl.startswith("floor")
+    if floor == "floor-futex":
+        return impl != "fastmq-spin"
+    return False
+
 
 # ---------------------------------------------------------------------------
-# ratios
+# ratios (per run) and merging repeated runs
 
 def _key(r: dict) -> tuple:
     return (r["scenario"], r["impl"], r["n_readers"], r["size_bytes"])
 
 
+def _value(r: dict) -> float:
+    return r["rate"] if r["scenario"] == "throughput" else r["p50"]
+
+
+def _ratio(r: dict, ref: dict | None) -> float | None:
+    """RATIO_RULE: above 1 = ``r`` faster than ``ref``."""
+    if ref is None or r is ref:
+        return None
+    if r["scenario"] == "throughput":
+        return r["rate"] / ref["rate"] if ref["rate"] > 0 else None
+    return ref["p50"] / r["p50"] if r["p50"] > 0 else None
+
+
 def annotate(records: list[dict]) -> None:
-    """Add ``vs_vllm`` (and for tensors ``vs_vllm_arena``, ``x_floor``)."""
+    """Add ``vs_vllm`` and ``vs_floor`` to the records of one run."""
     idx = {_key(r): r for r in records}
 
     def other(r, impl):
@@ -50,76 +95,77 @@ def annotate(records: list[dict]) -> None:
     for r in records:
         if r["impl"] == "floor-memcpy":
             continue
-        if r["scenario"] == "throughput":
-            v = other(r, "vllm")
-            r["vs_vllm"] = r["rate"] / v["rate"] if v else None
-            continue
-        v = other(r, "vllm")
-        r["vs_vllm"] = v["p50"] / r["p50"] if v and r["p50"] > 0 else None
+        v = other(r, vllm_counterpart(r["impl"]))
+        r["vs_vllm"] = _ratio(r, v) if not r["impl"].startswith("vllm") else None
+        fl = FLOOR_OF.get(r["scenario"])
+        r["vs_floor"] = _ratio(r, other(r, fl)) if fl and r["impl"] != fl else None
         if r["scenario"] == "tensor":
-            va, fl = other(r, "vllm+arena"), other(r, "floor")
-            r["vs_vllm_arena"] = va["p50"] / r["p50"] if va and r["p50"] > 0 else None
-            r["x_floor"] = r["p50"] / fl["p50"] if fl and fl["p50"] > 0 else None
             r["gb_per_s"] = r["size_bytes"] / (r["p50"] / 1e3) / 1e9 if r["p50"] > 0 else None
 
 
-# ---------------------------------------------------------------------------
-# targets the issues set (informational: the figures decide)
+_SUM = {"samples", "messages", "reps"}
+_MIN = {"min", "rate_min"}
+_MAX = {"max", "rate_max", "cpu_pct_max"}
+_RUNS = ("p50", "rate", "vs_vllm", "vs_floor")
 
-def targets(records: list[dict]) -> list[dict]:
-    idx = {_key(r): r for r in records}
+
+def merge(runs: list[list[dict]]) -> list[dict]:
+    """One record per figure from repeated runs: the median of the runs'
+    values (their p50, rate, ratios ...) with ``<field>_runs`` listing each
+    run's value, so the spread is visible; sample counts add up, min/max
+    are over all runs, samples are pooled."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        for r in run:
+            groups.setdefault(_key(r), []).append(r)
     out = []
+    for rs in groups.values():
+        m = dict(rs[0])
+        m["runs"] = len(rs)
+        for k, v in rs[0].items():
+            vals = [r.get(k) for r in rs]
+            if k in _SUM:
+                m[k] = sum(vals)
+            elif k in _MIN:
+                m[k] = min(vals)
+            elif k in _MAX and None not in vals:
+                m[k] = max(vals)
+            elif k == "samples_ns":
+                m[k] = [x for r in rs for x in r[k]]
+            elif isinstance(v, float) and None not in vals:
+                m[k] = statistics.median(vals)
+        for k in _RUNS:
+            if k in rs[0]:
+                vals = [r.get(k) for r in rs]
+                m[f"{k}_runs"] = None if None in vals else vals
+        if m["scenario"] == "tensor" and m.get("p50"):
+            m["gb_per_s"] = m["size_bytes"] / (m["p50"] / 1e3) / 1e9
+        out.append(m)
+    return out
 
-    def add(issue, what, value, target, met):
-        out.append({"issue": issue, "what": what, "value": value, "target": target,
-                    "met": bool(met)})
 
-    def get(s, impl, n, size):
-        return idx.get((s, impl, n, size))
-
-    step_size = config.KiB
-    for n in sorted({r["n_readers"] for r in records if r["scenario"] == "step"}):
-        f, v = get("step", "fastmq-futex", n, step_size), get("step", "vllm", n, step_size)
-        if f and v and n >= 1:
-            ratio = f["p50"] / v["p50"]
-            if n == 1:
-                add(2, f"step 1 KiB N=1: fastmq p50 / vLLM p50", f"{ratio:.2f}",
-                    "<= 0.25", ratio <= 0.25)
-            else:
-                add(2, f"step 1 KiB N={n}: fastmq p50 / vLLM p50", f"{ratio:.2f}",
-                    "< 1", ratio < 1)
-        s = get("step", "fastmq-spin", n, step_size)
-        if f and s and n >= 1:
-            ratio = f["p50"] / s["p50"]
-            add(4, f"step 1 KiB N={n}: fastmq futex p50 / pure spinning p50", f"{ratio:.2f}",
-                "<= 1.10", ratio <= 1.10)
-    size = 128 * config.MiB
-    for n in sorted({r["n_readers"] for r in records if r["scenario"] == "tensor"}):
-        a, fl = get("tensor", "fastmq-futex+arena", n, size), get("tensor", "floor", n, size)
-        if a and fl:
-            ratio = a["p50"] / fl["p50"]
-            add(3, f"tensor 128 MiB N={n}: fastmq+arena / floor", f"{ratio:.2f}",
-                "<= 1.3", ratio <= 1.3)
-        if a and n == 4:
-            for base in ("vllm", "vllm+arena"):
-                b = get("tensor", base, n, size)
-                if b:
-                    ratio = b["p50"] / a["p50"]
-                    add(3, f"tensor 128 MiB N=4: {base} / fastmq+arena", f"{ratio:.1f}x",
-                        ">= 3x", ratio >= 3)
-    for n in sorted({r["n_readers"] for r in records if r["scenario"] == "wake"}):
-        f, v = get("wake", "fastmq-futex", n, None), get("wake", "vllm", n, None)
-        if f:
-            add(4, f"wake N={n}: fastmq futex p50 one-way", f"{f['p50']:.1f} us",
-                "<= 30 us", f["p50"] <= 30)
-            add(4, f"wake N={n}: fastmq futex idle reader CPU over "
-                f"{f['cpu_window_s']:.1f} s", f"{f['cpu_pct']:.2f} %", "< 1 %",
-                f["cpu_pct"] < 1)
-        if f and v:
-            ratio = f["p50"] / v["p50"]
-            add(4, f"wake N={n}: fastmq futex p50 / vLLM p50", f"{ratio:.2f}", "<= 0.33",
-                ratio <= 1 / 3)
-    return sorted(out, key=lambda t: t["issue"])  # stable: by issue, then as added
+def check_floors(records: list[dict]) -> list[str]:
+    """Mark floors measured slower than an implementation they bound
+    (``not_a_floor``) and say so; such a floor is a measurement gone wrong
+    (the machine's load changed under the run), not a floor."""
+    notes = []
+    for f in records:
+        if not f["impl"].startswith("floor") or f["impl"] == "floor-memcpy":
+            continue
+        slower_than = sorted(
+            r["impl"] for r in records
+            if (r["scenario"], r["n_readers"], r["size_bytes"]) ==
+               (f["scenario"], f["n_readers"], f["size_bytes"])
+            and bounded_by(f["impl"], r["impl"]) and r["p50"] < f["p50"])
+        if slower_than:
+            f["not_a_floor"] = slower_than
+            size = f" {fmt_size(f['size_bytes'])}" if f["size_bytes"] else ""
+            notes.append(
+                f"NOT A FLOOR: {f['impl']} ({f['scenario']}{size}, N={f['n_readers']}) "
+                f"measured {num(f['p50'])} {f['unit']}, slower than "
+                f"{', '.join(slower_than)}: the machine's load changed during the run "
+                "(the floor does a subset of their work). Rerun on a quiet machine.")
+    return notes
 
 
 # ---------------------------------------------------------------------------
@@ -178,47 +224,63 @@ def _ncell(r: dict) -> str:
     return f"{r['n_readers']}*" if r.get("oversubscribed") else str(r["n_readers"])
 
 
+def _impl_cell(r: dict) -> str:
+    return r["impl"] + (" (!)" if r.get("not_a_floor") else "")
+
+
+def spread(r: dict, field: str = "p50", fmt=None) -> str:
+    """``min..max`` of the runs' values ("-" for a single run)."""
+    fmt = fmt or num
+    vals = r.get(f"{field}_runs")
+    if not vals or len(vals) < 2:
+        return "-"
+    return f"{fmt(min(vals))}..{fmt(max(vals))}"
+
+
 def _sorted(records: list[dict], scenario: str) -> list[dict]:
     order = {name: i for i, name in enumerate(ORDER[scenario])}
     rs = [r for r in records if r["scenario"] == scenario and r["impl"] != "floor-memcpy"]
     return sorted(rs, key=lambda r: (r["n_readers"], r["size_bytes"] or 0,
-                                     order.get(r["impl"], -1), r["impl"]))
+                                     order.get(r["impl"], 99), r["impl"]))
 
 
 def section(records: list[dict], scenario: str, md: bool) -> str | None:
     rs = _sorted(records, scenario)
     if not rs:
         return None
+    runs = max(r.get("runs", 1) for r in rs)
+    p50 = "p50" if runs == 1 else f"p50 (median of {runs} runs)"
     if scenario == "step":
-        headers = ["N", "payload", "implementation", "p50 us", "p90 us", "p99 us",
-                   "vs vLLM (p50)", "samples"]
-        rows = [[_ncell(r), fmt_size(r["size_bytes"]), r["impl"], num(r["p50"]),
-                 num(r["p90"]), num(r["p99"]), ratio(r.get("vs_vllm")), str(r["samples"])]
-                for r in rs]
-        align = "lllrrrrr"
+        headers = ["N", "payload", "implementation", f"{p50} us", "runs' p50", "p90 us",
+                   "p99 us", "vs vLLM", "vs floor", "samples"]
+        rows = [[_ncell(r), fmt_size(r["size_bytes"]), _impl_cell(r), num(r["p50"]),
+                 spread(r), num(r["p90"]), num(r["p99"]), ratio(r.get("vs_vllm")),
+                 ratio(r.get("vs_floor")), str(r["samples"])] for r in rs]
+        align = "lllrrrrrrr"
     elif scenario == "throughput":
-        headers = ["N", "implementation", "msgs/s (median)", "min .. max", "vs vLLM",
-                   "messages"]
+        rate_h = "msgs/s" if runs == 1 else f"msgs/s (median of {runs} runs)"
+        headers = ["N", "implementation", rate_h, "min .. max", "vs vLLM", "messages"]
         rows = [[_ncell(r), r["impl"], rate(r["rate"]),
                  f"{rate(r['rate_min'])} .. {rate(r['rate_max'])}", ratio(r.get("vs_vllm")),
                  str(r["messages"])] for r in rs]
         align = "llrrrr"
     elif scenario == "tensor":
-        headers = ["N", "tensor", "implementation", "p50 ms", "min ms", "max ms", "GB/s",
-                   "vs vLLM", "vs vLLM+arena", "x floor", "first ms", "reps"]
-        rows = [[_ncell(r), fmt_size(r["size_bytes"]), r["impl"], num(r["p50"]),
-                 num(r["min"]), num(r["max"]), num(r.get("gb_per_s")),
-                 ratio(r.get("vs_vllm")), ratio(r.get("vs_vllm_arena")),
-                 num(r.get("x_floor")), num(r.get("first_ms")), str(r["samples"])]
-                for r in rs]
+        headers = ["N", "tensor", "implementation", f"{p50} ms", "runs' p50", "min ms",
+                   "max ms", "GB/s", "vs vLLM", "vs floor", "first ms", "messages"]
+        rows = [[_ncell(r), fmt_size(r["size_bytes"]), _impl_cell(r), num(r["p50"]),
+                 spread(r), num(r["min"]), num(r["max"]), num(r.get("gb_per_s")),
+                 ratio(r.get("vs_vllm")), ratio(r.get("vs_floor")), num(r.get("first_ms")),
+                 str(r["samples"])] for r in rs]
         align = "lllrrrrrrrrr"
     else:
-        headers = ["N", "implementation", "idle before", "p50 us", "p90 us", "p99 us",
-                   "vs vLLM (p50)", "idle CPU %", "samples"]
-        rows = [[_ncell(r), r["impl"], f"{r['idle_before_s']:.3g} s", num(r["p50"]),
-                 num(r["p90"]), num(r["p99"]), ratio(r.get("vs_vllm")),
-                 f"{r['cpu_pct']:.2f}", str(r["samples"])] for r in rs]
-        align = "llrrrrrrr"
+        headers = ["N", "implementation", "idle before", f"{p50} us", "runs' p50", "p90 us",
+                   "p99 us", "vs vLLM", "vs pipe floor", "idle CPU %", "samples"]
+        rows = [[_ncell(r), _impl_cell(r), f"{r['idle_before_s']:.3g} s", num(r["p50"]),
+                 spread(r), num(r["p90"]), num(r["p99"]), ratio(r.get("vs_vllm")),
+                 ratio(r.get("vs_floor")),
+                 "-" if r.get("cpu_pct") is None else f"{r['cpu_pct']:.2f}",
+                 str(r["samples"])] for r in rs]
+        align = "llrrrrrrrrr"
     title = TITLES[scenario]
     head = f"### {title}\n" if md else f"{title}\n"
     text = head + ("\n" if md else "") + render(headers, rows, align, md)
@@ -230,6 +292,9 @@ def section(records: list[dict], scenario: str, md: bool) -> str | None:
 
 def _section_notes(records, rs, scenario) -> list[str]:
     notes = []
+    if any(r.get("not_a_floor") for r in rs):
+        notes.append("(!): a floor measured slower than an implementation it bounds: not a "
+                     "floor in this run (see the notes).")
     if scenario == "step":
         mc = [r for r in records if r["impl"] == "floor-memcpy"]
         if mc:
@@ -239,22 +304,36 @@ def _section_notes(records, rs, scenario) -> list[str]:
             notes.append("floor: the same round trip over bare shared memory in C (payload "
                          "copied in, each reader copies it out and answers on its own cache "
                          "line); no queue, no pickling.")
-    if scenario == "tensor" and any(r["impl"] == "floor" for r in rs):
-        notes.append("floor: one single-threaded memcpy into a pre-faulted shared segment plus "
-                     "every reader's read of every byte; x floor = p50 / floor p50 (lower is "
-                     "better; below 1 where a copy uses several threads).")
+        if any(r["impl"].endswith("-remote") or "-remote+" in r["impl"] for r in rs):
+            notes.append("-remote: every reader attaches as a remote reader (TCP over "
+                         "loopback, on this machine's cores); +curve: with CURVE encryption "
+                         "and authentication.")
+    if scenario == "tensor":
+        notes.append("paths: +arena = the tensor arena (one copy into shared memory, readers "
+                     "map it); fastmq-futex / vllm without it: the ring for a message that "
+                     "fits a ring chunk (24 MiB by default), the overflow path above (the "
+                     "chunk marks the message, the payload goes over the ipc socket); "
+                     "-remote = TCP over loopback, +curve with CURVE.")
+        if any(r["impl"] == "floor" for r in rs):
+            notes.append("floor: one single-threaded memcpy into a pre-faulted shared segment "
+                         "plus every reader's read of every byte.")
         w = rs[0]
-        notes.append(f"p50/min/max over {w['samples']} messages after {w['warmup']} warm-up "
-                     "messages; first ms = the very first message, which also pays for "
-                     "touching fresh shared-memory pages (the default and --full warm-ups "
-                     "cover a cycle of ring chunks and arena slots).")
+        notes.append(f"p50/min/max over the messages after {w['warmup']} warm-up messages "
+                     "per run; first ms = the very first message of a run, which also pays "
+                     "for touching fresh shared-memory pages.")
     if scenario == "wake":
-        w = next(iter(rs), None)
+        w = next((r for r in rs if not r["impl"].startswith("floor")), None)
         if w:
             notes.append(f"idle before = the implementation's spin phase plus "
                          f"{w['idle_before_s'] - (w['spin_s'] or 0):.3g} s parked (fastmq-spin "
-                         "never parks); idle CPU % = utime+stime from /proc over "
+                         "never parks); the floors' writers sleep as long as fastmq-futex's "
+                         "writer; idle CPU % = utime+stime from /proc over "
                          f"{w['cpu_window_s']:.1f} s after the last message, % of one core.")
+        if any(r["impl"].startswith("floor-") for r in rs):
+            notes.append("floor-futex: a C reader parked in FUTEX_WAIT, the writer in C; "
+                         "floor-pipe: a Python reader blocked in os.read() on a pipe, the "
+                         "Python writer writing its clock reading after time.sleep(). "
+                         "vs pipe floor = floor-pipe p50 / this p50.")
         if any(r["samples"] < 100 for r in rs):
             notes.append("few samples: p99 is close to the maximum; --full takes more.")
     return notes
@@ -262,15 +341,230 @@ def _section_notes(records, rs, scenario) -> list[str]:
 
 def tables(result: dict, md: bool = False) -> str:
     parts = [s for s in (section(result["records"], sc, md) for sc in config.SCENARIOS) if s]
-    tg = result.get("targets") or []
-    if tg:
-        rows = [[f"#{t['issue']}", t["what"], t["value"], t["target"],
-                 "met" if t["met"] else "NOT met"] for t in tg]
-        title = "targets set by the issues (computed from the figures above)"
-        parts.append((f"### {title}\n\n" if md else f"{title}\n")
-                     + render(["issue", "figure", "value", "target", "status"], rows, "lllll", md,
-                                group=False))
     return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# the headline figures (terminal summary, RESULTS.md, README)
+
+README_BEGIN = "<!-- fastmq-bench --readme: generated from bench/results.json; do not edit -->"
+README_END = "<!-- end of fastmq-bench --readme -->"
+
+
+def _fig(r: dict, field: str, unit: str) -> str:
+    value = r[field]
+    text = (rate(value) + " msg/s") if field == "rate" else num(value, " " + unit)
+    sp = spread(r, field, rate if field == "rate" else num)
+    return text if sp == "-" else f"{text} ({sp})"
+
+
+def _ratio_cell(r: dict, field: str) -> str:
+    text = ratio(r.get(field))
+    sp = spread(r, field, ratio)
+    return text if sp == "-" else f"{text} ({sp})"
+
+
+def headline(records: list[dict]) -> list[list[str]]:
+    """The rows people quote: [figure, fastmq, compared with, ratio]; only
+    figures both sides of which were measured."""
+    idx = {_key(r): r for r in records}
+    rows = []
+
+    def get(scenario, impl, n, size):
+        return idx.get((scenario, impl, n, size))
+
+    def ns(scenario):
+        return sorted({r["n_readers"] for r in records if r["scenario"] == scenario
+                       and r["n_readers"] > 0})
+
+    def n_cell(n, scenario, size):
+        r = next((r for r in records if r["scenario"] == scenario and r["n_readers"] == n
+                  and r["size_bytes"] == size), None)
+        return _ncell(r) if r else str(n)
+
+    step_sizes = sorted({r["size_bytes"] for r in records if r["scenario"] == "step"})
+    if step_sizes:
+        size = min(step_sizes, key=lambda s: abs(s - config.KiB))
+        for label, mine in (("step round trip", "fastmq-futex"),
+                            ("step round trip, remote readers (TCP)", "fastmq-remote"),
+                            ("step round trip, remote readers (TCP), CURVE on",
+                             "fastmq-remote+curve")):
+            for n in ns("step"):
+                f = get("step", mine, n, size)
+                v = get("step", vllm_counterpart(mine), n, size)
+                if f and v:
+                    rows.append([f"{label}, {fmt_size(size)}, N={n_cell(n, 'step', size)}, "
+                                 f"p50", f"{_fig(f, 'p50', 'us')} ({mine})",
+                                 f"{_fig(v, 'p50', 'us')} ({v['impl']})",
+                                 _ratio_cell(f, "vs_vllm")])
+    for n in ns("throughput"):
+        f = get("throughput", "fastmq-futex", n, None)
+        f = f or next((r for r in records if r["scenario"] == "throughput"
+                       and r["impl"] == "fastmq-futex" and r["n_readers"] == n), None)
+        v = f and next((r for r in records if r["scenario"] == "throughput"
+                        and r["impl"] == "vllm" and r["n_readers"] == n), None)
+        if f and v:
+            rows.append([f"throughput, small messages, N={_ncell(f)}",
+                         _fig(f, "rate", ""), f"{_fig(v, 'rate', '')} (vllm)",
+                         _ratio_cell(f, "vs_vllm")])
+    for n in ns("wake"):
+        f = get("wake", "fastmq-futex", n, None)
+        if not f:
+            continue
+        v = get("wake", "vllm", n, None)
+        if v:
+            rows.append([f"wake from idle, one-way, N={_ncell(f)}, p50",
+                         f"{_fig(f, 'p50', 'us')} (fastmq-futex)",
+                         f"{_fig(v, 'p50', 'us')} (vllm)", _ratio_cell(f, "vs_vllm")])
+        fl = get("wake", "floor-pipe", n, None)
+        if fl:
+            rows.append([f"wake from idle against the Python pipe floor, N={_ncell(f)}, p50",
+                         f"{_fig(f, 'p50', 'us')} (fastmq-futex)",
+                         f"{_fig(fl, 'p50', 'us')} (floor-pipe)"
+                         + (" (!)" if fl.get("not_a_floor") else ""),
+                         _ratio_cell(f, "vs_floor")])
+        fc = get("wake", "floor-futex", n, None)
+        if fc:
+            rows.append([f"wake from idle against the C futex floor, N={_ncell(f)}, p50",
+                         f"{_fig(f, 'p50', 'us')} (fastmq-futex)",
+                         f"{_fig(fc, 'p50', 'us')} (floor-futex)"
+                         + (" (!)" if fc.get("not_a_floor") else ""),
+                         ratio(fc["p50"] / f["p50"] if f["p50"] else None)])
+        if v and f.get("cpu_pct") is not None and v.get("cpu_pct") is not None:
+            rows.append([f"CPU of an idle reader over {f['cpu_window_s']:.1f} s after its last "
+                         f"message, N={_ncell(f)}", f"{f['cpu_pct']:.2f} % of a core",
+                         f"{v['cpu_pct']:.2f} % (vllm, spins {v['spin_s']:g} s)", ""])
+    return rows
+
+
+TENSOR_PATHS = (("arena", "fastmq-futex+arena"), ("arena off", "fastmq-futex"),
+                ("remote (TCP)", "fastmq-remote"), ("remote (TCP), CURVE on",
+                                                    "fastmq-remote+curve"))
+
+
+def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Large tensors, fastmq against vLLM on the same path: one row per
+    path and size, one column per N; each cell ``fastmq / vLLM ms = ratio``."""
+    rs = [r for r in records if r["scenario"] == "tensor"]
+    ns = sorted({r["n_readers"] for r in rs})
+    sizes = sorted({r["size_bytes"] for r in rs})
+    idx = {_key(r): r for r in rs}
+    headers = ["path", "tensor"]
+    for n in ns:
+        any_r = next(r for r in rs if r["n_readers"] == n)
+        headers.append(f"N={_ncell(any_r)}: fastmq / vLLM ms = ratio")
+    rows = []
+    for label, mine in TENSOR_PATHS:
+        for size in sizes:
+            cells = []
+            for n in ns:
+                f = idx.get(("tensor", mine, n, size))
+                v = idx.get(("tensor", vllm_counterpart(mine), n, size))
+                cells.append(f"{num(f['p50'])} / {num(v['p50'])} = "
+                             f"{_ratio_cell(f, 'vs_vllm')}" if f and v else "-")
+            if any(c != "-" for c in cells):
+                rows.append([label, fmt_size(size)] + cells)
+    return headers, rows
+
+
+def summary(result: dict, md: bool) -> str:
+    recs = result["records"]
+    runs = max((r.get("runs", 1) for r in recs), default=1)
+    how = (f"median of {runs} runs, (min..max) over the runs" if runs > 1 else
+           "one run (not a median of repeated runs)")
+    parts = []
+    rows = headline(recs)
+    if rows:
+        title = f"summary: fastmq against vLLM 0.33.0 and the floors ({how})"
+        parts.append((f"### {title}\n\n{RATIO_RULE[0].upper() + RATIO_RULE[1:]}.\n\n" if md
+                      else f"{title}\n{RATIO_RULE}\n")
+                     + render(["figure", "fastmq", "compared with", "ratio"], rows, "lrrr",
+                              md, group=False))
+    headers, trows = tensor_matrix(recs)
+    if trows:
+        title = (f"large tensors, every reader reads every byte: p50 ms, fastmq / vLLM on the "
+                 f"same path ({how})")
+        paths = ("arena off: a message larger than a ring chunk (24 MiB by default) takes "
+                 "the overflow path (ipc socket), a smaller one the ring; remote: TCP over "
+                 "loopback.")
+        parts.append((f"### {title}\n\n{paths}\n\n" if md else f"{title}\n{paths}\n")
+                     + render(headers, trows, "ll" + "r" * (len(headers) - 2), md,
+                              group=False))
+    return "\n\n".join(parts)
+
+
+def load_results(path: str) -> dict:
+    """A JSON file written by ``--json``.  Files written before records
+    carried their runs get their ratios computed under today's rules."""
+    with open(path) as f:
+        result = json.load(f)
+    recs = result.get("records")
+    if not isinstance(recs, list):
+        raise ValueError(f"{path}: not a fastmq-bench JSON file (no records)")
+    if recs and "runs" not in recs[0]:
+        # Written before repeated runs, like-with-like ratios and the floor
+        # check: recompute what the current rules derive from the figures.
+        result.pop("targets", None)
+        for r in recs:
+            r.pop("vs_vllm_arena", None)
+            r.pop("x_floor", None)
+            r["runs"] = 1
+        annotate(recs)
+        floor_notes = check_floors(recs)
+        result["floor_notes"] = floor_notes
+        notes = [n for n in result.get("notes", []) if not n.startswith("Ratios:")]
+        result["notes"] = floor_notes + notes + [
+            "One run: figures are not medians of repeated runs.",
+            f"Ratios: {RATIO_RULE}. vs vLLM compares with vLLM on the same path (arena "
+            "with arena, arena off with arena off, remote with remote); vs floor with the "
+            "scenario's floor."]
+    return result
+
+
+def readme_block(result: dict, json_path: str = "bench/results.json") -> str:
+    """The README's figures: generated from the JSON file, never typed."""
+    m = result["machine"]
+    recs = result["records"]
+    runs = max((r.get("runs", 1) for r in recs), default=1)
+    busy = [n for n in result.get("notes", []) if n.startswith("The machine was busy")]
+    lines = [
+        README_BEGIN,
+        "",
+        f"Generated by `fastmq-bench --readme {json_path} --update-readme README.md` from "
+        f"the run `{result['command']}` ({result['started']}; {m['cpu_model']}, "
+        f"{m['usable_cpus']} usable CPUs). Rows marked * had more busy processes (1 "
+        "writer + N readers) than cores.",
+        "",
+    ]
+    if busy:
+        lines += ["**" + busy[0] + "**", ""]
+    lines += [summary(result, md=True), "", README_END]
+    return "\n".join(lines)
+
+
+def update_readme(readme_path: str, block: str) -> bool:
+    """Replace the generated block in ``readme_path``; True if it changed."""
+    with open(readme_path) as f:
+        text = f.read()
+    a, b = text.find(README_BEGIN), text.find(README_END)
+    if a < 0 or b < a:
+        raise ValueError(f"{readme_path} has no generated figures block (the lines "
+                         f"{README_BEGIN!r} ... {README_END!r})")
+    new = text[:a] + block + text[b + len(README_END):]
+    if new == text:
+        return False
+    with open(readme_path, "w") as f:
+        f.write(new)
+    return True
+
+
+def readme_current_block(readme_path: str) -> str | None:
+    with open(readme_path) as f:
+        text = f.read()
+    a, b = text.find(README_BEGIN), text.find(README_END)
+    if a < 0 or b < a:
+        return None
+    return text[a:b + len(README_END)]
 
 
 def notes_text(result: dict, md: bool) -> str:
@@ -287,11 +581,12 @@ def machine_line(result: dict) -> str:
 
 
 def terminal(result: dict) -> str:
-    return "\n\n".join([
+    return "\n\n".join(p for p in [
         f"fastmq-bench ({result['config']['preset']}): {machine_line(result)}",
         tables(result, md=False),
+        summary(result, md=False),
         "notes:\n" + notes_text(result, md=False),
-    ])
+    ] if p)
 
 
 # ---------------------------------------------------------------------------
@@ -320,12 +615,16 @@ def write_markdown(path: str, result: dict, plots: list[str]) -> None:
         result["command"],
         "```",
         "",
+    ] + ([f"(Rendered again from that run's JSON by `{result['rendered_by']}`.)", ""]
+         if result.get("rendered_by") else []) + [
         f"Run {result['started']} ({result['duration_s']:.0f} s), preset "
         f"`{result['config']['preset']}`.",
         "",
         f"Machine: {machine_line(result)}.",
         "",
         notes_text(result, md=True),
+        "",
+        summary(result, md=True),
         "",
         tables(result, md=True),
         "",
@@ -337,8 +636,7 @@ def write_markdown(path: str, result: dict, plots: list[str]) -> None:
             rel = os.path.relpath(os.path.abspath(p), base)
             lines += [f"![{os.path.basename(p)}]({rel})", ""]
     lines += ["Every figure, with the machine details, is in the JSON file written by "
-              "`--json`. Ratios are vLLM's time divided by the implementation's "
-              "(> 1: faster than vLLM).", ""]
+              f"`--json`. {RATIO_RULE[0].upper() + RATIO_RULE[1:]}.", ""]
     _mkdirs(path)
     with open(path, "w") as f:
         f.write("\n".join(lines))

@@ -1,6 +1,8 @@
 """One benchmark run: which implementations run in which scenario, the
-reader-process environment, the scenarios in order, and the result
-(records, ratios, targets, notes, machine details)."""
+reader-process environment, the scenarios in order (all of them, then all
+of them again for each repeated run, so that every implementation sees the
+same changes in the machine's load), and the result (records merged over
+the runs, ratios, the floor check, notes, machine details)."""
 from __future__ import annotations
 
 import gc
@@ -17,9 +19,29 @@ __all__ = ["BenchError", "plan", "describe", "run"]
 
 # What the forkserver imports once, so that each reader starts in
 # milliseconds instead of importing torch (and vLLM) again.
-_PRELOAD = ["numpy", "zmq", "torch", "fastmq", "fastmq.bench.harness", "fastmq.bench.impls",
+_PRELOAD = ["numpy", "zmq", "fastmq", "fastmq.bench.harness", "fastmq.bench.impls",
             "fastmq.bench.floors"] + [f"fastmq.bench.{s}" for s in SCENARIOS]
 _VLLM_PRELOAD = ["vllm.distributed.device_communicators.shm_broadcast"]
+
+TORCH_EXTRA = "pip install 'vllm-fastmq[torch]'"
+
+
+def have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def skipped(scenarios: list[str]) -> dict[str, str]:
+    """Scenarios that cannot run here, with the reason."""
+    out = {}
+    if not have_torch():
+        for s in scenarios:
+            if getattr(_scenario(s), "NEEDS_TORCH", False):
+                out[s] = f"skipped: needs torch, which is not installed ({TORCH_EXTRA})"
+    return out
 
 
 def _scenario(name: str):
@@ -27,7 +49,8 @@ def _scenario(name: str):
 
 
 def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
-    """``{scenario: [Impl, ...]}`` in report order."""
+    """``{scenario: [Impl, ...]}`` in report order (scenarios that cannot run
+    here, see ``skipped``, left out)."""
     wanted = None
     if only:
         wanted = [n.strip() for n in only.split(",") if n.strip()]
@@ -36,7 +59,10 @@ def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
             raise ValueError(f"unknown implementation(s) {', '.join(unknown)}; choose from "
                              f"{', '.join(impls_mod.IMPLS)}")
     out = {}
+    skip = skipped(scenarios)
     for s in scenarios:
+        if s in skip:
+            continue
         names = [n for n in _scenario(s).IMPLS if wanted is None or n in wanted]
         chosen = [impls_mod.IMPLS[n] for n in names]
         if broken:
@@ -44,13 +70,17 @@ def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
         if chosen:
             out[s] = chosen
     if not out:
+        why = "; ".join(f"{s}: {r}" for s, r in skip.items())
         raise ValueError("nothing to run: no selected implementation takes part in the "
-                         "selected scenarios")
+                         "selected scenarios" + (f" ({why})" if why else ""))
     return out
 
 
-def describe(plan_: dict) -> str:
-    lines = ["implementations (name: what it is; selected scenarios; runs here):"]
+def describe(plan_: dict, scenarios: list[str] | None = None) -> str:
+    lines = []
+    for s, why in skipped(scenarios or list(SCENARIOS)).items():
+        lines.append(f"scenario {s}: {why}")
+    lines.append("implementations (name: what it is; selected scenarios; runs here):")
     for impl in impls_mod.IMPLS.values():
         where = [s for s, lst in plan_.items() if impl in lst]
         if where:
@@ -63,13 +93,18 @@ def describe(plan_: dict) -> str:
     return "\n".join(lines)
 
 
-def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = True) -> dict:
+def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = True,
+        scenarios: list[str] | None = None) -> dict:
     load_start = loadavg()
     selected = {i.name: i for lst in plan_.values() for i in lst}
     with_vllm = any(i.family == "vllm" for i in selected.values())
-    env = Env(start_method, _PRELOAD + (_VLLM_PRELOAD if with_vllm else []),
-              params.timeout_s)
+    torch_ok = have_torch()
+    env = Env(start_method, (["torch"] if torch_ok else []) + _PRELOAD
+              + (_VLLM_PRELOAD if with_vllm else []), params.timeout_s)
     notes: list[str] = []
+    skip = skipped(scenarios or list(plan_))
+    for s, why in skip.items():
+        notes.append(f"Scenario {s} {why}.")
     available = {}
     for name, impl in selected.items():
         ok, why = impls_mod.availability(impl)  # imports vLLM here, once
@@ -85,22 +120,32 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     plan_ = {s: [i for i in lst if available[i.name]["available"]] for s, lst in plan_.items()}
     plan_ = {s: lst for s, lst in plan_.items() if lst}
 
-    prog = Progress(sum(_scenario(s).groups(lst, params) for s, lst in plan_.items()),
-                    enabled=progress)
-    records: list[dict] = []
-    seconds = {}
+    repeats = params.repeats
+    prog = Progress(repeats * sum(_scenario(s).groups(lst, params)
+                                  for s, lst in plan_.items()), enabled=progress)
+    runs: list[list[dict]] = []
+    seconds: dict = {}
     try:
-        for s, lst in plan_.items():
-            t0 = time.monotonic()
-            records += _scenario(s).run(env, lst, params, prog)
-            seconds[s] = round(time.monotonic() - t0, 1)
+        for rep in range(repeats):
+            records: list[dict] = []
+            for s, lst in plan_.items():
+                t0 = time.monotonic()
+                if repeats > 1:
+                    prog.prefix = f"run {rep + 1}/{repeats}  "
+                records += _scenario(s).run(env, lst, params, prog)
+                seconds[s] = round(seconds.get(s, 0.0) + time.monotonic() - t0, 1)
+            runs.append(records)
     finally:
         prog.clear()
 
     from fastmq.bench import report
 
-    report.annotate(records)
+    for records in runs:
+        report.annotate(records)
+    records = report.merge(runs)
+    floor_notes = report.check_floors(records)
     load_end = loadavg()
+    notes += floor_notes
     notes += _notes(records, params, env, load_start, load_end)
     cfg = {k: v for k, v in vars(params).items()}
     cfg["scenarios"] = list(plan_)
@@ -109,15 +154,16 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     m = machine()
     m["loadavg_start"], m["loadavg_end"] = load_start, load_end
     return {
-        "schema": "fastmq-bench/1",
+        "schema": "fastmq-bench/2",
         "machine": m,
         "versions": versions(with_vllm and any(
             v["available"] for n, v in available.items() if selected[n].family == "vllm")),
         "config": cfg,
         "implementations": available,
+        "skipped_scenarios": skip,
         "notes": notes,
+        "floor_notes": floor_notes,
         "scenario_seconds": seconds,
-        "targets": report.targets(records),
         "records": records,
     }
 
@@ -140,6 +186,13 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
             "competed for the cores, so these are not final figures.")
     if params.preset == "quick":
         notes.append("--quick is a smoke run: too few samples for figures to quote.")
+    if params.repeats > 1:
+        notes.append(f"Every figure is the median of {params.repeats} runs (each run measures "
+                     "every implementation once, in turn); runs' p50 = the lowest and the "
+                     "highest run's value.")
+    else:
+        notes.append("One run: figures are not medians of repeated runs (--repeat 3 or "
+                     "--full for those).")
     fake_arena = sorted({r["impl"] for r in records
                          if r["impl"].startswith("fastmq") and r["impl"].endswith("+arena")
                          and r.get("arena_active") is False})
@@ -147,7 +200,10 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
         notes.append(f"{', '.join(fake_arena)} ran without a tensor arena: this fastmq build "
                      "has none (enable_shm_tensor_arena had no effect), so it measures the "
                      "same path as fastmq-futex.")
-    notes.append("Ratios: vs vLLM = vLLM's time / this time (rates: this / vLLM's), so "
-                 "above 1x is faster than vLLM. Warm-up rounds are excluded; every reader "
-                 "verifies every message (number and content) and the run fails otherwise.")
+    from fastmq.bench.report import RATIO_RULE
+
+    notes.append(f"Ratios: {RATIO_RULE}. vs vLLM compares with vLLM on the same path (arena "
+                 "with arena, arena off with arena off, remote with remote); vs floor with "
+                 "the scenario's floor. Warm-up rounds are excluded; every reader verifies "
+                 "every message (number and content) and the run fails otherwise.")
     return notes

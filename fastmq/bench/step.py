@@ -15,7 +15,8 @@ from fastmq.bench.harness import ReaderGroup, receive, sample_loop, summarize
 from fastmq.bench.verify import VerifyError, check_step_payload, expect_seq, step_payload
 
 NAME = "step"
-IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor")
+IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "fastmq-remote",
+         "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor")
 
 
 def groups(impls, params) -> int:

@@ -17,7 +17,9 @@ from fastmq.bench.harness import BenchError, ReaderGroup, receive, summarize
 from fastmq.bench.verify import VerifyError, checksum, expect_seq, tensor_expected
 
 NAME = "tensor"
-IMPLS = ("fastmq-futex+arena", "fastmq-futex", "vllm+arena", "vllm", "pyzmq", "floor")
+IMPLS = ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm", "fastmq-remote",
+         "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor")
+NEEDS_TORCH = True
 
 
 def groups(impls, params) -> int:

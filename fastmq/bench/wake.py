@@ -22,7 +22,8 @@ from fastmq.bench.harness import ReaderGroup, receive, summarize
 from fastmq.bench.verify import VerifyError, expect_seq
 
 NAME = "wake"
-IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq")
+IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor-futex",
+         "floor-pipe")
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -58,11 +59,34 @@ def cpu_ns(pid: int) -> int | None:
     return total
 
 
+def _floor_idle(params) -> float:
+    """The floors' writers sleep as long as fastmq's futex-mode writer does
+    before each sample: its readers' spin phase plus the gap."""
+    from fastmq import _config
+
+    return _config.spin_us(None) / 1e6 + params.wake_gap_s
+
+
 def run(env, impls, params, progress) -> list[dict]:
+    from fastmq.bench import floors
+
     records = []
     for n in params.readers[NAME]:
         for impl in impls:
             progress.start(f"wake  {impl.name}  N={n}")
+            if impl.family == "floor":
+                idle = _floor_idle(params)
+                latencies = floors.wake_floor(env, impl.name, n, idle, params, progress)
+                records.append({
+                    "scenario": NAME, "impl": impl.name, "n_readers": n, "size_bytes": None,
+                    "unit": "us", "warmup": params.wake_warmup,
+                    "oversubscribed": env.oversubscribed(n),
+                    "spin_s": 0.0, "idle_before_s": idle,
+                    **summarize(latencies, 1e3), "samples_ns": latencies,
+                    "cpu_window_s": None, "cpu_pct": None, "cpu_pct_max": None,
+                    "cpu_pct_schedstat": None,
+                })
+                continue
             spin = impl.spin_s
             idle = (spin or 0.0) + params.wake_gap_s
             with ReaderGroup(env, impl, n, NAME, params) as g:
