@@ -451,7 +451,7 @@ def test_runs_without_torch(tmp_path):
     proc = bench("--list", "--scenario", "step,tensor", pythonpath=str(shadow), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "scenario tensor: skipped: needs torch" in proc.stdout
-    assert "pip install 'fastmq[torch]'" in proc.stdout
+    assert "pip install 'vllm-fastmq[torch]'" in proc.stdout
     out = tmp_path / "out.json"
     proc = bench("--quick", "--scenario", "step,tensor", "--impl", "fastmq-futex", "--json",
                  str(out), pythonpath=str(shadow), timeout=180)
