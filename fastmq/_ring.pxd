@@ -28,6 +28,8 @@ cdef class Ring:
     cdef readonly uint64_t wakeups
     # Chunks this writer end published (see Ring.publish).
     cdef readonly uint64_t n_published
+    # Messages this reader end has read (mirrored into its reader slot).
+    cdef readonly uint64_t n_read
     # Wakeups the ZMQ notify failed to send, and the last such error.
     cdef readonly uint64_t notify_errors
     cdef readonly object last_notify_error

@@ -418,6 +418,8 @@ cdef class Ring:
         # "published" from "not" by this counter, and no Python exception
         # can land between the two.
         self.n_published += 1
+        # For observers only (fastmq ls): where the writer is, exactly.
+        fmq_store_u64_rel(_u64(self.base, H_PUBLISHED), self.n_published)
         self.current_idx = (idx + 1) % self.max_chunks
         fmq_fence_seq()
         if fmq_load_u32_seq(self.readers_parked) != 0:
@@ -557,6 +559,9 @@ cdef class Ring:
     # -- reader ------------------------------------------------------------
     cdef int release_chunk(self, int idx) except -1:
         fmq_store_u8_rel(self.meta(idx) + 1 + self.reader_rank, 1)
+        self.n_read += 1
+        fmq_store_u64_rel(_u64(self.base, H_READER_SLOTS + READER_SLOT * self.reader_rank
+                               + SLOT_READ), self.n_read)
         self.current_idx = (idx + 1) % self.max_chunks
         fmq_fence_seq()
         if fmq_load_u32_seq(self.writer_parked) != 0:
@@ -707,6 +712,7 @@ cdef class Ring:
             if fmq_cas_u32(word, held, pid):
                 break
         (<uint64_t *>(slot + 8))[0] = start
+        fmq_store_u64_rel(<uint64_t *>(slot + SLOT_READ), 0)
         fmq_fence_seq()
         self.claimed = True
         return 0
@@ -860,9 +866,11 @@ def snapshot(buf):
         stride = want[0]
         meta_off = want[1]
         readers = []
+        reads = []
         for r in range(n_reader):
             readers.append((_ro_u32(b, H_READER_SLOTS + READER_SLOT * r),
                             _ro_u64(b, H_READER_SLOTS + READER_SLOT * r + 8)))
+            reads.append(_ro_u64(b, H_READER_SLOTS + READER_SLOT * r + SLOT_READ))
         written = []
         read = [[] for r in range(n_reader)]
         for i in range(n_chunks):
@@ -883,6 +891,8 @@ def snapshot(buf):
             "readers_parked": _ro_u32(b, H_READERS_PARKED),
             "writer_parked": _ro_u32(b, H_WRITER_PARKED),
             "readers": readers,
+            "published": _ro_u64(b, H_PUBLISHED),
+            "reads": reads,
             "written": written,
             "read": read,
         }

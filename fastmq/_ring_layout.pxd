@@ -17,9 +17,12 @@ cdef enum:
     H_WRITER_PID = 72      # u32
     H_WRITER_START = 80    # u64  (process start time, clock ticks since boot)
     H_WRITER_STATE = 88    # u32  1 = open, 2 = closed by its writer
+    H_PUBLISHED = 96       # u64  messages the writer has published
     H_READ_SEQ = 128       # u32 futex word that readers park on
     H_READERS_PARKED = 192 # u32 count of parked readers
     H_WRITE_SEQ = 256      # u32 futex word that the writer parks on
     H_WRITER_PARKED = 320  # u32 1 while the writer is parked
-    H_READER_SLOTS = 512   # 64 B per reader: u32 pid, pad, u64 start time
+    H_READER_SLOTS = 512   # 64 B per reader: u32 pid, pad, u64 start time,
+                           # u64 messages this reader has read (at +16)
     READER_SLOT = 64
+    SLOT_READ = 16

@@ -5,18 +5,12 @@ Everything comes from the shared-memory headers (``fastmq._ring.snapshot``,
 ``O_RDONLY`` and mapped ``PROT_READ``: looking at a live queue never writes
 to it, so it cannot disturb the queue.
 
-Where each reader is comes from the ring's flags alone (the ring keeps no
-message counter): message ``k`` goes into chunk ``k % max_chunks``, and a
-chunk whose written flag is set and whose read flag for reader ``r`` is
-clear holds a message ``r`` has not read.  Those chunks form one run in ring
-order, from the chunk ``r`` waits on to the last one the writer published,
-so their count is how many messages ``r`` is behind (never more than
-``max_chunks``: the writer cannot overwrite an unread chunk) and the run's
-first chunk is the one ``r`` is on.  A reader that has read everything is on
-the writer's next chunk, which the flags tell while the ring has not wrapped
-yet, while the writer is filling a chunk, or while some reader is behind by
-less than a full ring; when every chunk was read by everyone (or no one has
-read any) after a wrap, they do not, and the chunk is reported as unknown.
+Where each reader is comes from two counters in the ring header: the
+messages the writer has published and, in each reader slot, the messages
+that reader has read.  Message ``k`` goes into chunk ``k % max_chunks``, so
+a reader that has read ``n`` messages waits on chunk ``n % max_chunks`` and
+is ``published - n`` messages behind.  The counters are read one after the
+other while the queue runs: a moment's view, not an atomic one.
 
 Run it in the pid namespace of the processes that use the queues (as with
 ``fastmq cleanup``): from another namespace every pid looks dead.
@@ -37,38 +31,13 @@ _SEGMENT = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+$")
 WAIT_MODES = {_ring.WAIT_SPIN: "spin", _ring.WAIT_FUTEX: "futex", _ring.WAIT_ZMQ: "zmq"}
 
 
-# -- positions from the flags ------------------------------------------------
+# -- positions from the counters ----------------------------------------------
 
-def positions(written: list[int], read: list[list[int]]) -> tuple[int | None, list[dict]]:
-    """The writer's next chunk (None when the flags do not tell) and, per
-    reader, ``{"chunk": int | None, "behind": int}`` (see the module
-    docstring)."""
-    n = len(written)
-    unread = [[written[i] == 1 and rd[i] == 0 for i in range(n)] for rd in read]
-    writer_next = None
-    clear = [i for i in range(n) if written[i] != 1]
-    if clear:
-        # A never-written chunk (before the first wrap) or the one the
-        # writer is filling now: either way, the next one it publishes.
-        writer_next = clear[0]
-    else:
-        for u in unread:
-            if 0 < sum(u) < n:
-                # The run of unread chunks ends at the writer's last publish.
-                writer_next = next((i + 1) % n for i in range(n)
-                                   if u[i] and not u[(i + 1) % n])
-                break
-    out = []
-    for u in unread:
-        behind = sum(u)
-        if 0 < behind < n:
-            chunk = next(i for i in range(n) if u[i] and not u[(i - 1) % n])
-        else:
-            # Caught up, or a whole ring behind: waiting on the chunk the
-            # writer fills next.
-            chunk = writer_next
-        out.append({"chunk": chunk, "behind": behind})
-    return writer_next, out
+def positions(published: int, reads: list[int], max_chunks: int
+              ) -> tuple[int, list[dict]]:
+    """The writer's next chunk and, per reader, ``{"chunk", "behind"}``."""
+    out = [{"chunk": n % max_chunks, "behind": max(0, published - n)} for n in reads]
+    return published % max_chunks, out
 
 
 # -- reading segments ----------------------------------------------------------
@@ -129,7 +98,7 @@ def _mappers() -> dict[str, set[int]]:
 
 
 def _ring_entry(name: str, snap: dict, size: int, used: int) -> dict:
-    writer_next, pos = positions(snap["written"], snap["read"])
+    writer_next, pos = positions(snap["published"], snap["reads"], snap["max_chunks"])
     readers = []
     for rank, ((pid, started), p) in enumerate(zip(snap["readers"], pos)):
         if pid == 0:

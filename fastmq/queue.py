@@ -50,19 +50,23 @@ _FLUSH_SLICE_S = 0.05  # flush waits re-check shutdown and peers at this period
 # messages, so a remote reader sees any gap.
 _HEADER = struct.Struct("<QI")
 
-# enqueue() returns only once libzmq has released the message's last frame
-# (MessageTracker).  libzmq's encoder hands a frame of at least two output
-# batches (2 x 8 KiB) to write(2) straight from the frame's memory and
-# releases it only after that write completed: the payload then sits in
-# the kernel's socket buffers or the reader's process, which outlive a
-# killed writer.  A smaller last frame would be released once copied into
-# the encoder's own buffer, before write(2), so a message whose last frame
-# is smaller ends with this pad.  Frames below the pad's size are copied by
-# pyzmq (cheap, and safe against later mutation); larger ones are sent
-# zero-copy and must not change until the tracker is done -- which is
-# before enqueue() returns.
-_FLUSH_MIN = 20 * 1024
-_PAD = bytes(_FLUSH_MIN)
+# enqueue() returns only once the message has left this process: in the
+# kernel's socket buffers or the reader's process, both of which outlive a
+# killed writer.  libzmq says so through a MessageTracker on the last frame,
+# read with its engine's order in mind: the engine encodes frames into
+# batches of out_batch_size (8 KiB) and takes the next frame from the pipe
+# only while the batch it is filling has room.  So every message ends with
+#   [fill: more than one batch][mark: tracked]
+# The fill completes the batch that holds the message's last bytes; the
+# mark is taken from the pipe, and released (tracker done), only after that
+# batch was written -- also with CURVE, where a frame is released as soon as
+# it is encrypted.  Frames below _FLUSH_MARK are copied by pyzmq (cheap, and
+# immune to later mutation); larger ones are sent zero-copy, and released in
+# order before the mark, so no caller buffer is referenced once enqueue()
+# returns either.
+_FLUSH_FILL = bytes(9 * 1024)
+_FLUSH_MARK_BYTES = 1024
+_FLUSH_MARK = bytes(_FLUSH_MARK_BYTES)
 
 # Queues alive in this process, so that a forked child can disown them.
 _live_queues: "weakref.WeakSet[MessageQueue]" = weakref.WeakSet()
@@ -87,16 +91,14 @@ def _tune_data_socket(sock, *, xpub: bool) -> None:
     if xpub:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.XPUB_NODROP, 1)
-        sock.copy_threshold = _FLUSH_MIN
+        sock.copy_threshold = _FLUSH_MARK_BYTES
     else:
         sock.setsockopt(zmq.RCVHWM, 0)
 
 
 def _send_frames(sock, msg_id: int, buffers: list):
     """Queue one socket message; return the tracker of its last frame."""
-    frames = [_HEADER.pack(msg_id, len(buffers)), *buffers]
-    if memoryview(frames[-1]).nbytes < _FLUSH_MIN:
-        frames.append(_PAD)
+    frames = [_HEADER.pack(msg_id, len(buffers)), *buffers, _FLUSH_FILL, _FLUSH_MARK]
     return sock.send_multipart(frames, copy=False, track=True)
 
 
@@ -306,7 +308,7 @@ def _close_zmq(context, sockets, paths) -> None:
     # context and its sockets are collected together); segments.remove_at_exit
     # still removes the ipc files then.
     # linger=0 loses nothing: enqueue() returned only after its message
-    # left the process (see _FLUSH_MIN).  Teardown errors cannot be acted
+    # left the process (see _FLUSH_FILL).  Teardown errors cannot be acted
     # on, but are logged rather than silently dropped.
     for s in sockets:
         try:
