@@ -16,6 +16,7 @@ cdef class Arena:
     cdef readonly uint64_t token
     cdef readonly int reader_rank          # -1 on the writer
     cdef readonly bint closed
+    cdef readonly bint isolated            # readers map the slots copy-on-write
 
     # -- writer ------------------------------------------------------------
     cdef public Py_ssize_t min_bytes
@@ -48,6 +49,8 @@ cdef class Arena:
     cdef bint pin_attempted
     cdef readonly bint pinned
     cdef uint64_t n_views, n_released, n_event_gated
+    cdef uint64_t n_cow_bytes, n_slot_discards, n_discard_failed
+    cdef bint logged_discard
 
     cdef inline char *line(self, int slot) noexcept nogil
     cdef inline char *slot_ptr(self, int slot) noexcept nogil
@@ -65,6 +68,8 @@ cdef class Arena:
     cdef void drop_writer_ref(self, int slot) noexcept
     cdef void drop_reader_ref(self, int slot) noexcept
     cdef void mark_done(self, int slot) noexcept
+    cdef int discard(self, int slot) noexcept
+    cdef void release_named(self, const char *desc) noexcept
 
 
 cdef class SlotBuffer:

@@ -5,6 +5,8 @@ from fastmq._shm import Segment
 MAGIC: int
 DESC_MAGIC: int
 LAYOUT_VERSION: int
+READERS_ISOLATED: int
+READERS_SHARED: int
 DESC_LEN: int
 PAGE: int
 DATA_ALIGN: int
@@ -13,6 +15,8 @@ class ArenaError(RuntimeError): ...
 
 def layout(n_reader: int, n_slots: int, slot_bytes: int) -> tuple[int, int, int, int]: ...
 def is_descriptor(obj: Any) -> bool: ...
+def set_cow_scan(enabled: bool) -> bool: ...
+def cow_scan_available() -> bool: ...
 
 class Arena:
     name: str
@@ -21,11 +25,13 @@ class Arena:
     n_slots: int
     slot_bytes: int
     reader_rank: int
+    isolated: bool
     @staticmethod
     def create(seg: Segment, n_reader: int, n_slots: int, slot_bytes: int, min_bytes: int,
-               copy_threads: int, copy_min_part: int, prefault_ahead: bool) -> Arena: ...
+               copy_threads: int, copy_min_part: int, prefault_ahead: bool,
+               shared_writes: bool = ...) -> Arena: ...
     @staticmethod
-    def attach(seg: Segment, n_reader: int, slot_bytes: int, n_slots: int,
+    def attach(name: str, n_reader: int, slot_bytes: int, n_slots: int,
                reader_rank: int) -> Arena: ...
     @property
     def address(self) -> int: ...

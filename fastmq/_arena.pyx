@@ -46,6 +46,20 @@ a slot is free for the writer when ``written == 0`` or every ``done == 1``.
              after every read of the slot) ; the writer's acquire load of
              the done flags orders its next copy after those reads.
 
+Readers' writes (``H_READERS``): by default each reader maps the slots
+copy-on-write (``MAP_PRIVATE``), so what it unpickles is still the shared
+memory, but an in-place write (``t.add_(1)``) makes a private copy of the
+pages it touches: no other reader, no later message and not the writer
+ever sees it.  Before a slot is handed back, the reader drops its private
+pages (``fmq_cow.h``), so the slot shows the shared bytes again.  Such a
+mapping is never registered with CUDA: a long-term pin of a private file
+mapping (what ``cudaHostRegister`` does, read-only or not) makes the
+kernel unshare every page, i.e. it would pin a private snapshot of the
+whole arena that later messages never reach.  ``READERS_SHARED`` (an
+explicit opt-in of the writer) maps the slots shared and writable in every
+reader: no private copies, pinned for CUDA, and one reader's write is
+everybody's.
+
 Lifetimes: a reader's ``SlotBuffer`` holds a reference to its ``Arena``,
 which holds the ``Segment``; so the mapping outlives every view, and the
 arena's ``__dealloc__`` (which unregisters a CUDA pin before the segment
@@ -66,6 +80,13 @@ from libc.string cimport memcpy, memset
 from fastmq._native.atomic cimport (fmq_load_u8_acq, fmq_load_u64_acq, fmq_store_u8_rel,
                                     fmq_store_u64_rel)
 from fastmq._shm cimport Segment
+from libc.errno cimport ENOENT, EEXIST, errno
+from libc.string cimport strerror
+from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
+from posix.mman cimport (MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE,
+                         mmap, shm_open)
+from posix.stat cimport fstat, struct_stat
+from posix.unistd cimport close as c_close, getpid
 
 import collections
 import logging
@@ -228,9 +249,18 @@ cdef extern from *:
     void fmq_arena_store_int(int *p, int v) nogil
 
 
+cdef extern from "fmq_cow.h" nogil:
+    int MAP_NORESERVE
+    int fmq_cow_scan_ok()
+    int fmq_cow_set_scan(int on)
+    int fmq_cow_discard(int pagemap_fd, char *p, size_t n, uint64_t *private_bytes, int *whole)
+
+
 MAGIC = 0x3141514d54534146        # b"FASTMQA1" little-endian
 DESC_MAGIC = 0x31544f4c53514d46   # b"FMQSLOT1"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2     # 2: H_READERS
+READERS_ISOLATED = 0   # readers map the slots copy-on-write (default)
+READERS_SHARED = 1     # readers map them shared and writable (opt-in)
 DESC_LEN = 48          # bytes of a slot descriptor (C_DESC_LEN)
 PAGE = 4096
 DATA_ALIGN = 2 << 20
@@ -246,6 +276,7 @@ cdef enum:
     H_DATA_OFF = 40     # u64
     H_TOTAL = 48        # u64
     H_TOKEN = 56        # u64 random: ties descriptors to this arena
+    H_READERS = 64      # u32 READERS_ISOLATED / READERS_SHARED
     HEADER = 4096
     F_EPOCH = 0         # u64 per-slot publication count
     F_WRITTEN = 8       # u8
@@ -264,6 +295,50 @@ cdef uint64_t C_DESC_MAGIC = DESC_MAGIC
 
 class ArenaError(RuntimeError):
     """An arena descriptor or segment is invalid, stale, or not attached."""
+
+
+cdef object _os_error(int err, str what, str name):
+    msg = "%s %r: %s" % (what, name, strerror(err).decode())
+    if err == ENOENT:
+        return FileNotFoundError(err, msg)
+    if err == EEXIST:
+        return FileExistsError(err, msg)
+    return OSError(err, msg)
+
+
+# This process's /proc/self/pagemap, for PAGEMAP_SCAN (see fmq_cow.h):
+# opened on first use and again in a forked child (an inherited descriptor
+# would scan the parent's page tables).  Only touched with the GIL held.
+cdef int _pagemap_fd = -1
+cdef long _pagemap_pid = 0
+
+
+cdef int _pagemap() noexcept:
+    global _pagemap_fd, _pagemap_pid
+    cdef long pid = getpid()
+    if pid == _pagemap_pid:
+        return _pagemap_fd
+    if _pagemap_fd >= 0:
+        # Inherited from the parent across fork(): it walks the parent's
+        # page tables.  No thread of this child can be using it (they
+        # all look it up here first).
+        c_close(_pagemap_fd)
+    _pagemap_pid = pid
+    # -1 without /proc (some sandboxes): then whole slots are dropped.
+    _pagemap_fd = c_open(b"/proc/self/pagemap", O_RDONLY | O_CLOEXEC)
+    return _pagemap_fd
+
+
+def set_cow_scan(bint enabled):
+    """Use PAGEMAP_SCAN to find a reader's private pages (default, where
+    the kernel has it), or drop whole slots; returns the previous setting.
+    For tests of the fallback path."""
+    return bool(fmq_cow_set_scan(enabled))
+
+
+def cow_scan_available():
+    """True if releasing a slot drops only the pages the reader wrote."""
+    return bool(fmq_cow_scan_ok()) and _pagemap() >= 0
 
 
 # torch is optional; without it only numpy arrays and raw buffers divert.
@@ -337,7 +412,10 @@ cdef class Arena:
     @staticmethod
     def create(Segment seg, int n_reader, int n_slots, Py_ssize_t slot_bytes,
                Py_ssize_t min_bytes, int copy_threads, Py_ssize_t copy_min_part,
-               bint prefault_ahead):
+               bint prefault_ahead, bint shared_writes=False):
+        """The writer's end over a fresh segment.  ``shared_writes`` makes
+        every reader map the slots shared and writable (see the module
+        docstring); readers read it from the header."""
         stride, flags_off, data_off, total = layout(n_reader, n_slots, slot_bytes)
         if seg.size < total:
             raise ValueError("segment of %d bytes is smaller than the arena (%d)" % (seg.size, total))
@@ -355,6 +433,7 @@ cdef class Arena:
         _u64(b + H_DATA_OFF)[0] = data_off
         _u64(b + H_TOTAL)[0] = total
         _u64(b + H_TOKEN)[0] = int.from_bytes(secrets.token_bytes(8), "little")
+        _u32(b + H_READERS)[0] = READERS_SHARED if shared_writes else READERS_ISOLATED
         # Magic last, released: an attacher that sees it sees the rest.
         fmq_store_u64_rel(_u64(b + H_MAGIC), C_MAGIC)
         cdef Arena self = Arena.__new__(Arena)
@@ -375,27 +454,72 @@ cdef class Arena:
         return self
 
     @staticmethod
-    def attach(Segment seg, int n_reader, Py_ssize_t slot_bytes, int n_slots, int reader_rank):
-        """Map reader ``reader_rank``; the header must match the handle."""
-        stride, flags_off, data_off, total = layout(n_reader, n_slots, slot_bytes)
-        if seg.size < HEADER:
-            raise ArenaError("shared memory segment %r (%d bytes) is too small to be a "
-                             "fastmq arena" % (seg.name, seg.size))
-        cdef char *b = <char *>seg.addr
-        if fmq_load_u64_acq(_u64(b + H_MAGIC)) != C_MAGIC:
-            raise ArenaError("shared memory segment %r is not a fastmq tensor arena" % seg.name)
-        if _u32(b + H_VERSION)[0] != LAYOUT_VERSION:
-            raise ArenaError("fastmq arena %r has layout version %d, this fastmq reads %d"
-                             % (seg.name, _u32(b + H_VERSION)[0], LAYOUT_VERSION))
-        got = (_u32(b + H_NREADER)[0], _u32(b + H_NSLOTS)[0], _u32(b + H_STRIDE)[0],
-               _u64(b + H_SLOT_BYTES)[0], _u64(b + H_FLAGS_OFF)[0], _u64(b + H_DATA_OFF)[0],
-               _u64(b + H_TOTAL)[0])
-        want = (n_reader, n_slots, stride, slot_bytes, flags_off, data_off, total)
-        if got != want or seg.size < total:
-            raise ArenaError("fastmq arena %r header %r does not match its handle %r "
-                             "(segment %d bytes)" % (seg.name, got, want, seg.size))
+    def attach(str name, int n_reader, Py_ssize_t slot_bytes, int n_slots, int reader_rank):
+        """Map reader ``reader_rank`` of arena segment ``name``; the header
+        must match the handle.  The slots are mapped as the header says:
+        copy-on-write (default) or shared."""
         if not (0 <= reader_rank < n_reader):
             raise ValueError("reader rank %d out of range for %d readers" % (reader_rank, n_reader))
+        stride, flags_off, data_off, total = layout(n_reader, n_slots, slot_bytes)
+        cdef bytes bname = ("/" + name).encode()
+        cdef int fd = shm_open(bname, O_RDWR, 0)
+        if fd < 0:
+            raise _os_error(errno, "cannot open shared memory segment", name)
+        cdef struct_stat st
+        cdef void *p
+        cdef void *q
+        cdef Segment seg
+        cdef char *b
+        try:
+            if fstat(fd, &st) != 0:
+                raise _os_error(errno, "cannot stat shared memory segment", name)
+            if st.st_size < HEADER:
+                raise ArenaError("shared memory segment %r (%d bytes) is too small to be a "
+                                 "fastmq arena" % (name, st.st_size))
+            p = mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+            if p == MAP_FAILED:
+                raise _os_error(errno, "cannot map shared memory segment", name)
+            # Owned by a Segment from here on: it unmaps the whole range
+            # (both mappings below) when the last reference goes.
+            seg = Segment.__new__(Segment)
+            seg.addr = <char *>p
+            seg.size = st.st_size
+            seg.name = name
+            seg.owner = False
+            b = <char *>p
+            if fmq_load_u64_acq(_u64(b + H_MAGIC)) != C_MAGIC:
+                raise ArenaError("shared memory segment %r is not a fastmq tensor arena" % name)
+            if _u32(b + H_VERSION)[0] != LAYOUT_VERSION:
+                raise ArenaError("fastmq arena %r has layout version %d, this fastmq reads %d"
+                                 % (name, _u32(b + H_VERSION)[0], LAYOUT_VERSION))
+            got = (_u32(b + H_NREADER)[0], _u32(b + H_NSLOTS)[0], _u32(b + H_STRIDE)[0],
+                   _u64(b + H_SLOT_BYTES)[0], _u64(b + H_FLAGS_OFF)[0], _u64(b + H_DATA_OFF)[0],
+                   _u64(b + H_TOTAL)[0])
+            want = (n_reader, n_slots, stride, slot_bytes, flags_off, data_off, total)
+            if got != want or st.st_size < total:
+                raise ArenaError("fastmq arena %r header %r does not match its handle %r "
+                                 "(segment %d bytes)" % (name, got, want, st.st_size))
+            mode = _u32(b + H_READERS)[0]
+            if mode == READERS_ISOLATED:
+                # Same file, same offsets, in place of the shared slots:
+                # header and flag lines stay shared.  NORESERVE: private
+                # copies exist only while a reader writes, so charging the
+                # whole arena as committed memory per reader is pointless.
+                q = mmap(b + <Py_ssize_t>data_off, total - data_off, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, fd, data_off)
+                if q == MAP_FAILED:
+                    err = errno
+                    raise ArenaError(
+                        "cannot map the slots of fastmq arena %r copy-on-write (%s); "
+                        "FASTMQ_ARENA_READERS=shared in the writer maps them shared instead "
+                        "(readers then see each other's in-place writes)"
+                        % (name, strerror(err).decode()))
+            elif mode != READERS_SHARED:
+                raise ArenaError("fastmq arena %r header names reader mode %d, not %d "
+                                 "(isolated) or %d (shared)"
+                                 % (name, mode, READERS_ISOLATED, READERS_SHARED))
+        finally:
+            c_close(fd)
         cdef Arena self = Arena.__new__(Arena)
         self._bind(seg, reader_rank)
         self.refs = <int *>calloc(n_slots, sizeof(int))
@@ -419,7 +543,11 @@ cdef class Arena:
         self.token = _u64(b + H_TOKEN)[0]
         self.data = b + self.data_off
         self.reader_rank = reader_rank
-        fmq_arena_hugepage(self.data, self.slot_bytes * self.n_slots)
+        self.isolated = _u32(b + H_READERS)[0] == READERS_ISOLATED
+        if reader_rank < 0 or not self.isolated:
+            # Not on a reader's private mapping: there it could only make
+            # its private copies huge, which is all cost.
+            fmq_arena_hugepage(self.data, self.slot_bytes * self.n_slots)
 
     def __dealloc__(self):
         # Runs only once no SlotBuffer and no prefault thread is left (they
@@ -849,22 +977,64 @@ cdef class Arena:
         entries by zero-copy views of their slots (memoryviews over
         ``SlotBuffer``s; in place; returns ``oob``).
         All of them are resolved before unpickling, so if unpickling fails
-        the buffers die with the list and every slot is still released."""
+        the buffers die with the list and every slot is still released.
+        A bad descriptor does not stop the others: every slot the message
+        verifiably names is handed back before the first error is raised
+        (else those slots would stay taken for good)."""
         cdef Py_ssize_t i, n = len(oob)
         cdef Py_buffer v
         cdef char desc[C_DESC_LEN]
         cdef bint found
+        cdef object error = None
+        cdef list mapped = None
         for i in range(n):
             PyObject_GetBuffer(oob[i], &v, PyBUF_SIMPLE)
             found = v.len == C_DESC_LEN and _u64(<char *>v.buf)[0] == C_DESC_MAGIC
             if found:
                 memcpy(desc, v.buf, C_DESC_LEN)
             PyBuffer_Release(&v)
-            if found:
-                # A memoryview (sliceable, like the bytearray the ring gives
-                # for a copied buffer); it holds the SlotBuffer alive.
-                oob[i] = memoryview(self.resolve(desc))
+            if not found:
+                continue
+            try:
+                sb = self.resolve(desc)
+            except ArenaError as e:
+                if error is None:
+                    error = e
+                self.release_named(desc)
+                continue
+            if mapped is None:
+                mapped = []
+            mapped.append((i, oob[i]))
+            # A memoryview (sliceable, like the bytearray the ring gives
+            # for a copied buffer); it holds the SlotBuffer alive.
+            oob[i] = memoryview(sb)
+            sb = None
+        if error is not None:
+            # Drop the views now rather than when the traceback (which may
+            # hold the caller's list) is freed: their slots go back at once.
+            if mapped is not None:
+                for i, d in mapped:
+                    oob[i] = d
+            raise error
         return oob
+
+    cdef void release_named(self, const char *desc) noexcept:
+        # A descriptor that failed validation, but names this arena (token)
+        # and the slot's current publication (slot, epoch, written): that
+        # slot is this message's, and nothing here will ever view it, so
+        # hand it back.  Anything less certain is left alone: it might be a
+        # later message's slot that this reader has not read yet.
+        cdef uint64_t slot = _u32(<char *>desc + D_SLOT)[0]
+        cdef char *ln
+        if (self.reader_rank < 0 or _u64(<char *>desc + D_TOKEN)[0] != self.token
+                or slot >= <uint64_t>self.n_slots or self.refs[slot] > 0):
+            return
+        ln = self.line(<int>slot)
+        if (fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)) != 1
+                or fmq_load_u64_acq(_u64(ln + F_EPOCH)) != _u64(<char *>desc + D_EPOCH)[0]
+                or fmq_load_u8_acq(<uint8_t *>(ln + F_DONE + self.reader_rank)) != 0):
+            return
+        self.mark_done(<int>slot)
 
     cdef object resolve(self, const char *desc):
         if self.reader_rank < 0:
@@ -919,6 +1089,14 @@ cdef class Arena:
         except Exception:
             return None
         self.pin_attempted = True
+        if self.isolated:
+            # Pinning a private mapping would pin private copies of every
+            # page (see the module docstring): copies to the GPU read the
+            # pageable mapping instead.
+            logger.info("fastmq arena %s: not page-locked for CUDA: readers map it "
+                        "copy-on-write (FASTMQ_ARENA_READERS=shared pins it, and lets "
+                        "readers see each other's in-place writes)", self.name)
+            return None
         try:
             rc = rt.host_register(<uintptr_t>self.base, self.total_bytes)
         except Exception as e:
@@ -946,8 +1124,37 @@ cdef class Arena:
         self.mark_done(slot)
 
     cdef void mark_done(self, int slot) noexcept:
+        if self.isolated and self.discard(slot) != 0:
+            return
         fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_DONE + self.reader_rank), 1)
         self.n_released += 1
+
+    cdef int discard(self, int slot) noexcept:
+        """Drop this reader's private copies in ``slot`` (its in-place
+        writes) so that the next message there shows the shared bytes: 0,
+        or an errno, and then the slot is kept (logged once): the writer
+        loses one slot, but no reader ever sees stale writes."""
+        cdef int fd = _pagemap()
+        cdef int err, whole = 0
+        cdef uint64_t private_bytes = 0
+        cdef char *p = self.slot_ptr(slot)
+        cdef size_t n = self.slot_bytes
+        with nogil:
+            err = fmq_cow_discard(fd, p, n, &private_bytes, &whole)
+        if err == 0:
+            self.n_cow_bytes += private_bytes
+            self.n_slot_discards += whole
+            return 0
+        self.n_discard_failed += 1
+        if not self.logged_discard:
+            self.logged_discard = True
+            try:
+                logger.warning("fastmq arena %s: cannot drop reader %d's private pages of slot "
+                               "%d (%s); the slot stays with this reader. Logged once.",
+                               self.name, self.reader_rank, slot, os.strerror(err))
+            except BaseException:
+                pass
+        return err
 
     @cython.binding(False)   # called per message: a plain C method
     def flush_releases(self):
@@ -1002,12 +1209,17 @@ cdef class Arena:
                 "arena_prefaulted_bytes": self.n_prefaulted,
                 "arena_slots": self.n_slots,
                 "arena_slot_bytes": self.slot_bytes,
+                "arena_isolated": int(self.isolated),
             }
         return {
             "arena_views": self.n_views,
             "arena_released": self.n_released,
             "arena_event_gated": self.n_event_gated,
             "arena_pinned": int(self.pinned),
+            "arena_isolated": int(self.isolated),
+            "arena_private_bytes_dropped": self.n_cow_bytes,
+            "arena_whole_slot_drops": self.n_slot_discards,
+            "arena_drop_failures": self.n_discard_failed,
             "arena_slots": self.n_slots,
             "arena_slot_bytes": self.slot_bytes,
         }

@@ -16,9 +16,17 @@ keyword                 environment                    default      meaning
 ``arena_min_mb``        ``FASTMQ_ARENA_MIN_MB``        8            smallest divertible buffer
 ``arena_prefault``      ``FASTMQ_ARENA_PREFAULT``      ahead        ahead / off / all / N slots
 ``arena_copy_threads``  ``FASTMQ_ARENA_COPY_THREADS``  cpus/2 <= 4  threads of one large copy
+``arena_readers``       ``FASTMQ_ARENA_READERS``       isolated     isolated / shared
 ======================  =============================  ===========  ========================
 
-Readers adopt the writer's geometry from ``Handle.tensor_arena_handle``.
+Readers adopt the writer's geometry from ``Handle.tensor_arena_handle`` and
+the reader mode from the arena's header.  ``isolated``: each reader maps
+the slots copy-on-write, so an in-place write to a received tensor is
+private to that reader (its pages are copied on the first write and
+dropped when the slot is released).  ``shared``: readers map the slots
+shared and writable, which skips those copies and lets a CUDA reader
+page-lock the arena, but one reader's in-place write changes what every
+other reader, later messages' readers included, and the writer see.
 """
 from __future__ import annotations
 
@@ -32,7 +40,6 @@ from typing import Any
 
 from fastmq import _config, segments
 from fastmq._arena import Arena, ArenaError, SlotBuffer, is_descriptor, layout
-from fastmq._shm import Segment
 
 logger = logging.getLogger("fastmq")
 
@@ -45,9 +52,10 @@ DEFAULT_MIN_MB = 8.0
 # it, creating a thread costs more than the memory bandwidth it adds.
 COPY_MIN_PART = 4 * MiB
 PREFAULT_MODES = ("ahead", "off", "all")
+READER_MODES = ("isolated", "shared")
 
 OPTION_NAMES = ("arena_slots", "arena_slot_mb", "arena_min_mb", "arena_prefault",
-                "arena_copy_threads")
+                "arena_copy_threads", "arena_readers")
 
 
 class ShmSpaceError(RuntimeError):
@@ -62,6 +70,7 @@ class ArenaSizing:
     min_bytes: int
     prefault: str | int
     copy_threads: int
+    readers: str = "isolated"
 
 
 def default_copy_threads() -> int:
@@ -125,6 +134,19 @@ def _prefault_option(options: dict) -> str | int:
     return value
 
 
+def _readers_option(options: dict) -> str:
+    if "arena_readers" in options and options["arena_readers"] is not None:
+        raw, name = options["arena_readers"], "arena_readers"
+    else:
+        raw, name = os.environ.get("FASTMQ_ARENA_READERS"), "FASTMQ_ARENA_READERS"
+        if raw is None or raw.strip() == "":
+            return "isolated"
+    value = raw.strip().lower() if isinstance(raw, str) else raw
+    if value not in READER_MODES:
+        raise ValueError(f"{name}={raw!r} must be one of {READER_MODES}")
+    return value
+
+
 def sizing(options: dict | None = None) -> ArenaSizing:
     """Resolve the arena's geometry: keyword arguments, then environment,
     then defaults.  A bad value raises ``ValueError`` naming its source; an
@@ -144,7 +166,8 @@ def sizing(options: dict | None = None) -> ArenaSizing:
     return ArenaSizing(n_slots=n_slots, slot_bytes=slot_bytes,
                        min_bytes=max(1, int(min_mb * MiB)),
                        prefault=_prefault_option(options),
-                       copy_threads=min(copy_threads, 16))
+                       copy_threads=min(copy_threads, 16),
+                       readers=_readers_option(options))
 
 
 def wanted(enable: Any) -> tuple[bool, bool]:
@@ -209,8 +232,9 @@ class ShmTensorArena:
     """One end of a tensor arena (vLLM's ``ShmTensorArena`` surface).
 
     ``ShmTensorArena(n_reader, slot_bytes, n_slots)`` creates one (the
-    writer); with ``name`` and ``reader_rank`` it attaches reader
-    ``reader_rank``.  The writer's ``reducer_override`` and
+    writer; ``readers="shared"`` lets readers write each other's tensors,
+    see the module docstring); with ``name`` and ``reader_rank`` it
+    attaches reader ``reader_rank``.  The writer's ``reducer_override`` and
     ``divert_buffer`` and the reader's ``map_oob`` and ``flush_releases``
     are the Cython core's bound methods, called directly by the pickler and
     the ring.
@@ -219,7 +243,7 @@ class ShmTensorArena:
     def __init__(self, n_reader: int, slot_bytes: int = int(DEFAULT_SLOT_MB * MiB),
                  n_slots: int = DEFAULT_SLOTS, name: str | None = None, reader_rank: int = -1,
                  *, min_bytes: int = int(DEFAULT_MIN_MB * MiB), prefault: str | int = "ahead",
-                 copy_threads: int | None = None):
+                 copy_threads: int | None = None, readers: str = "isolated"):
         self.n_reader = n_reader
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
@@ -228,13 +252,15 @@ class ShmTensorArena:
             if prefault not in PREFAULT_MODES and not (isinstance(prefault, int) and prefault >= 0):
                 raise ValueError(f"prefault={prefault!r} must be one of {PREFAULT_MODES} or a "
                                  "slot count")
+            if readers not in READER_MODES:
+                raise ValueError(f"readers={readers!r} must be one of {READER_MODES}")
             total = layout(n_reader, n_slots, slot_bytes)[3]
             _check_space(total, n_slots, slot_bytes)
             seg = segments.create_segment("arena", total, "the fastmq tensor arena")
             try:
                 core = Arena.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
                                     copy_threads or default_copy_threads(), COPY_MIN_PART,
-                                    prefault != "off")
+                                    prefault != "off", readers == "shared")
             except BaseException:
                 segments.forget_segment(seg.name)
                 seg.unlink()
@@ -253,13 +279,14 @@ class ShmTensorArena:
             self.abort = core.abort       # when it is not
         else:
             self.is_creator = False
-            core = Arena.attach(Segment.attach(name), n_reader, slot_bytes, n_slots, reader_rank)
+            core = Arena.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
             self.map_oob = core.map_oob
             self.flush_releases = core.flush_releases
             _ARENAS[name] = self
             _ATTACH_ERRORS.pop(name, None)
         self.core = core
         self.name = core.name
+        self.readers = "isolated" if core.isolated else "shared"
 
     def handle(self) -> tuple[int, int, int, str]:
         """What readers attach with: ``(n_reader, slot_bytes, n_slots, name)``."""
@@ -312,7 +339,7 @@ class ShmTensorArena:
     def __repr__(self) -> str:
         role = "writer" if self.is_creator else f"reader {self.reader_rank}"
         return (f"<ShmTensorArena {self.name!r} {role} {self.n_slots} x "
-                f"{self.slot_bytes / MiB:g} MiB>")
+                f"{self.slot_bytes / MiB:g} MiB, readers {self.readers}>")
 
 
 class UnattachedArena:
@@ -355,7 +382,7 @@ def create_for_queue(enable: Any, options: dict, n_local_reader: int,
     try:
         return ShmTensorArena(n_local_reader, size.slot_bytes, size.n_slots,
                               min_bytes=size.min_bytes, prefault=size.prefault,
-                              copy_threads=size.copy_threads)
+                              copy_threads=size.copy_threads, readers=size.readers)
     except (ShmSpaceError, OSError) as e:
         if explicit:
             raise

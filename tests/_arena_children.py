@@ -81,3 +81,37 @@ def reader_main(handle, rank: int, n_msgs: int, handles_q) -> None:
     del held
     resp.enqueue(("done", rank, errors, r.stats()))
     assert r.dequeue(timeout=60) == "bye"
+
+
+def inplace_tensor(i: int):
+    """Message ``i`` of the in-place test: 2 MiB of int64, distinct per ``i``."""
+    return torch.arange(1 << 18, dtype=torch.int64) * (i + 1)
+
+
+def inplace_reader_main(handle, rank: int, n_msgs: int, shared: bool, handles_q) -> None:
+    """Rank 0 adds 1 in place to every tensor it receives and keeps it;
+    after the writer's ``"check"`` every rank compares what it holds with
+    what it should see, then drops it and reports."""
+    from fastmq import MessageQueue, arena
+
+    r = MessageQueue.create_from_handle(handle, rank)
+    resp = MessageQueue(1, 1, enable_shm_tensor_arena=False)
+    handles_q.put((rank, resp.export_handle()))
+    r.wait_until_ready()
+    resp.wait_until_ready()
+    ar = arena.attached(handle.tensor_arena_handle[3])
+    for i in range(n_msgs):
+        t = r.dequeue(timeout=60)
+        want = inplace_tensor(i)
+        fresh = bool(torch.equal(t, want))       # before anyone's write: no earlier write shows
+        zero_copy = ar.contains(t.data_ptr())
+        if rank == 0:
+            t.add_(1)
+        resp.enqueue(("got", rank, i))
+        assert r.dequeue(timeout=60) == "check"
+        if rank == 0 or shared:
+            want = want + 1
+        seen = bool(torch.equal(t, want))
+        del t
+        resp.enqueue(("checked", rank, i, fresh, zero_copy, seen, r.stats()))
+    assert r.dequeue(timeout=60) == "bye"

@@ -3,6 +3,7 @@ fallbacks, CUDA pinning logic (fake runtime), sizing, and end to end through
 ``MessageQueue`` with reader processes."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import pickle
@@ -90,12 +91,116 @@ def test_threaded_copy_is_byte_exact(threads):
     assert _core(w).faulted_bytes(0) == 13 * MiB + 4096
 
 
-def test_reader_sees_the_same_memory():
+# -- readers' in-place writes: private by default, shared on request -------------------
+def _writer_bytes(w, r, t):
+    """What the writer's own mapping holds where reader ``r``'s tensor ``t`` lies."""
+    off = t.data_ptr() - _core(r).data_address
+    return ctypes.string_at(_core(w).data_address + off, t.nbytes)
+
+
+def _perms(addr):
+    """Permissions of the mapping holding ``addr`` in /proc/self/maps (e.g. ``rw-p``)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return perms
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+def test_readers_own_their_tensors_by_default():
     w, (r1, r2) = _pair(2)
-    w.enqueue(torch.zeros(MiB // 4))
+    src = torch.arange(MiB // 2, dtype=torch.float32)            # 2 MiB
+    w.enqueue(src)
     a, b = r1.dequeue(timeout=10), r2.dequeue(timeout=10)
-    a[5] = 42.0                 # a reader writes through its view ...
-    assert b[5].item() == 42.0  # ... and the other reader sees it: one copy for both
+    for r, t in ((r1, a), (r2, b)):
+        assert r.tensor_arena.contains(t.data_ptr())           # still zero copy
+        assert r.stats()["arena_isolated"] == 1
+    # Slots are copy-on-write in readers, shared in the writer; the header
+    # and flag lines stay shared everywhere.
+    assert _perms(_core(r1).data_address) == "rw-p"
+    assert _perms(_core(r1).address) == "rw-s"
+    assert _perms(_core(w).data_address) == "rw-s"
+    a.add_(1)
+    assert torch.equal(a, src + 1)                             # the writer of a sees it
+    assert torch.equal(b, src)                                 # the other reader does not
+    assert _writer_bytes(w, r1, a) == src.numpy().tobytes()    # nor does the writer
+    b[7] = -5.0
+    assert a[7].item() == 8.0 and torch.equal(b[8:], src[8:])
+    assert w.stats()["arena_hits"] == 1 and w.stats()["arena_isolated"] == 1
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "whole-slot"])
+def test_a_later_message_in_the_slot_shows_no_earlier_write(scan):
+    if scan and not _arena.cow_scan_available():
+        pytest.skip("this kernel has no PAGEMAP_SCAN (Linux 6.7)")
+    prev = _arena.set_cow_scan(scan)
+    try:
+        w, (r,) = _pair(slots=1)                     # every message uses slot 0
+        n = MiB // 2                                  # 2 MiB of float32: 512 pages
+        for i in range(4):
+            w.enqueue(torch.full((n,), float(i)))
+            t = r.dequeue(timeout=10)
+            assert r.tensor_arena.contains(t.data_ptr())
+            assert torch.all(t == float(i)), f"message {i} shows an earlier message's write"
+            if i % 2 == 0:
+                t.add_(100)                           # every page
+            else:
+                t[n // 2:].mul_(-1)                   # the second half only
+            del t
+        st = r.stats()
+        assert st["arena_released"] == 4 and w.stats()["arena_hits"] == 4
+        if scan:
+            # Exactly the pages written, and nothing when nothing was.
+            assert st["arena_private_bytes_dropped"] == 2 * (2 * MiB) + 2 * MiB
+            assert st["arena_whole_slot_drops"] == 0
+            w.enqueue(torch.full((n,), 9.0))
+            assert torch.all(r.dequeue(timeout=10) == 9.0)
+            assert r.stats()["arena_private_bytes_dropped"] == st["arena_private_bytes_dropped"]
+        else:
+            assert st["arena_whole_slot_drops"] == 4
+            assert st["arena_private_bytes_dropped"] == 0
+    finally:
+        _arena.set_cow_scan(prev)
+
+
+def test_writer_memory_is_not_written_by_readers():
+    w, (r,) = _pair()
+    t = w.empty_tensor((MiB // 4,), torch.float32)              # sent without a copy
+    t.fill_(3.0)
+    w.enqueue(t)
+    got = r.dequeue(timeout=10)
+    assert w.stats()["arena_inplace"] == 1
+    got.add_(1)
+    assert torch.all(got == 4.0) and torch.all(t == 3.0)
+
+
+def test_shared_writable_readers_are_an_explicit_opt_in(monkeypatch):
+    w, (r1, r2) = _pair(2, arena_readers="shared")
+    src = torch.zeros(MiB // 4)
+    w.enqueue(src)
+    a, b = r1.dequeue(timeout=10), r2.dequeue(timeout=10)
+    assert _perms(_core(r1).data_address) == "rw-s"
+    a[5] = 42.0                 # one reader writes through its view ...
+    assert b[5].item() == 42.0  # ... the other reader sees it, and so does the writer
+    assert struct.unpack_from("<f", _writer_bytes(w, r1, a), 5 * 4)[0] == 42.0
+    assert r1.stats()["arena_isolated"] == 0 and w.stats()["arena_isolated"] == 0
+    del a, b
+    assert r1.stats()["arena_whole_slot_drops"] == 0         # nothing to drop
+    assert r1.stats()["arena_private_bytes_dropped"] == 0
+    # The environment variable, in the writer; readers follow the writer's
+    # header whatever their own environment says.
+    monkeypatch.setenv("FASTMQ_ARENA_READERS", "shared")
+    ws, (rs,) = _pair()
+    assert ws.tensor_arena.readers == "shared" and rs.tensor_arena.readers == "shared"
+    monkeypatch.setenv("FASTMQ_ARENA_READERS", "isolated")
+    rs2 = MessageQueue.create_from_handle(ws.export_handle(), 0)
+    assert rs2.tensor_arena.readers == "shared"
+    monkeypatch.setenv("FASTMQ_ARENA_READERS", "SHARED ")
+    assert MessageQueue(1, 1, arena_readers="isolated").tensor_arena.readers == "isolated"
+    monkeypatch.delenv("FASTMQ_ARENA_READERS")
+    assert MessageQueue(1, 1).tensor_arena.readers == "isolated"
 
 
 @pytest.mark.parametrize("order", ["C", "F"])
@@ -364,6 +469,40 @@ def test_bogus_descriptors_raise_clear_errors():
     assert torch.all(r.dequeue(timeout=10) == 1.0)
 
 
+def test_a_bad_descriptor_does_not_keep_the_other_slots_of_its_message():
+    w, (r,) = _pair(slots=4, slot_mb=1)
+    n = MiB // 4
+    bufs = w._encoder.encode([torch.full((n,), float(k)) for k in range(3)])
+    w.tensor_arena.commit()
+    assert len(bufs) == 4 and all(len(b) == _arena.DESC_LEN for b in bufs[1:])
+    assert _core(w).free_slots() == [3]
+    # The first descriptor's range is corrupted (its token, slot and epoch
+    # still name its slot); the two after it are intact.
+    bad = bytearray(bufs[1])
+    struct.pack_into("<Q", bad, 32, 2**40)
+    w._ring.send([bufs[0], bytes(bad), bufs[2], bufs[3]])
+    with pytest.raises(A.ArenaError, match="overruns"):
+        r.dequeue(timeout=10)
+    assert _core(w).free_slots() == [0, 1, 2, 3]      # every slot it named came back
+    assert r.stats()["arena_released"] == 3
+    # A descriptor that does not name a slot's current publication hands
+    # nothing back: that slot may be a later message's, not yet read.
+    later = w._encoder.encode(torch.full((n,), 7.0))   # slot 0, epoch 2 ...
+    w.tensor_arena.commit()
+    epoch = _core(w).slot_state(0)[0]
+    for e in (epoch - 1, epoch + 1):                     # ... and a forged descriptor
+        w._ring.send([bufs[0], _descriptor(_core(r), slot=0, epoch=e, nbytes=2**40)])
+    w._ring.send(later)                                  # before the message that owns it
+    for _ in range(2):
+        with pytest.raises(A.ArenaError, match="overruns"):
+            r.dequeue(timeout=10)
+    assert _held_by(w, 0) == [0]
+    assert torch.all(r.dequeue(timeout=10) == 7.0)     # that message still arrives intact
+    assert _held_by(w, 0) == []
+    w.enqueue([torch.full((n,), 8.0)] * 2)
+    assert all(torch.all(t == 8.0) for t in r.dequeue(timeout=10))
+
+
 def test_attach_failure_is_deferred():
     w = MessageQueue(1, 1, arena_slots=2, arena_slot_mb=1, arena_min_mb=1)
     h = replace(w.export_handle(),
@@ -453,8 +592,24 @@ def fake_cuda():
         _cuda.set_runtime(None)
 
 
-def test_pinned_reader_releases_after_the_event(fake_cuda):
+def test_isolated_reader_never_pins(fake_cuda, caplog):
+    # Pinning a copy-on-write mapping would pin private copies of every
+    # page: the reader would keep seeing the arena as it was at that moment.
     w, (r,) = _pair()
+    with caplog.at_level(logging.INFO, logger="fastmq"):
+        for i in range(2):
+            w.enqueue(torch.full((MiB // 4,), float(i)))
+            t = r.dequeue(timeout=10)
+            assert torch.all(t == float(i))
+            del t
+    assert fake_cuda.registered == [] and r.stats()["arena_pinned"] == 0
+    assert _held_by(w, 0) == [] and fake_cuda.events == []     # released at once, no event
+    notes = [rec.getMessage() for rec in caplog.records if "not page-locked" in rec.getMessage()]
+    assert len(notes) == 1 and "FASTMQ_ARENA_READERS=shared" in notes[0]
+
+
+def test_pinned_reader_releases_after_the_event(fake_cuda):
+    w, (r,) = _pair(arena_readers="shared")
     rc = _core(r)
     w.enqueue({"x": 1})
     r.dequeue(timeout=10)
@@ -484,7 +639,7 @@ def test_pinned_reader_releases_after_the_event(fake_cuda):
 def test_unregister_happens_before_unmap_after_the_last_view(fake_cuda):
     import gc
 
-    w, (r,) = _pair()
+    w, (r,) = _pair(arena_readers="shared")
     w.enqueue(torch.ones(MiB // 4))
     t = r.dequeue(timeout=10)
     base = _core(r).address
@@ -502,7 +657,7 @@ def test_failed_pin_releases_immediately():
     rt = FakeCuda(rc=2)
     _cuda.set_runtime(rt)
     try:
-        w, (r,) = _pair()
+        w, (r,) = _pair(arena_readers="shared")
         w.enqueue(torch.ones(MiB // 4))
         t = r.dequeue(timeout=10)
         assert len(rt.registered) == 1 and r.stats()["arena_pinned"] == 0
@@ -520,7 +675,7 @@ def test_no_pin_without_initialised_cuda():
     rt = NotInitialised()
     _cuda.set_runtime(rt)
     try:
-        w, (r,) = _pair()
+        w, (r,) = _pair(arena_readers="shared")
         w.enqueue(torch.ones(MiB // 4))
         t = r.dequeue(timeout=10)
         assert rt.registered == [] and r.stats()["arena_pinned"] == 0
@@ -595,7 +750,7 @@ def test_sizing_from_env_and_kwargs(monkeypatch):
     ("FASTMQ_ARENA", "maybe"), ("FASTMQ_ARENA_SLOTS", "many"), ("FASTMQ_ARENA_SLOTS", "0"),
     ("FASTMQ_ARENA_SLOT_MB", "-1"), ("FASTMQ_ARENA_SLOT_MB", "0"), ("FASTMQ_ARENA_SLOT_MB", "inf"),
     ("FASTMQ_ARENA_MIN_MB", "x"), ("FASTMQ_ARENA_PREFAULT", "sometimes"),
-    ("FASTMQ_ARENA_COPY_THREADS", "0"),
+    ("FASTMQ_ARENA_COPY_THREADS", "0"), ("FASTMQ_ARENA_READERS", "private"),
 ])
 def test_bad_environment_names_the_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
@@ -604,7 +759,8 @@ def test_bad_environment_names_the_variable(monkeypatch, var, value):
 
 
 @pytest.mark.parametrize("kw", [{"arena_slots": 0}, {"arena_slot_mb": -2}, {"arena_min_mb": "1"},
-                                {"arena_prefault": "never"}, {"arena_copy_threads": 1.5}])
+                                {"arena_prefault": "never"}, {"arena_copy_threads": 1.5},
+                                {"arena_readers": "writable"}, {"arena_readers": True}])
 def test_bad_keyword_names_the_keyword(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         MessageQueue(1, 1, **kw)
@@ -675,3 +831,45 @@ def test_end_to_end_reader_processes(procs, spawn_ctx, n_readers):
     assert st["arena_fallback_exhausted"] == st["arena_fallback_oversize"] == 0
     assert st["arena_fallback_declined"] == 0
     assert core.free_slots() == list(range(8))
+
+
+@pytest.mark.parametrize("mode", ["isolated", "shared"])
+def test_in_place_writes_across_reader_processes(procs, spawn_ctx, mode):
+    # Rank 0 writes in place into every tensor; rank 1 only reads.  One slot:
+    # every message reuses the slot rank 0 wrote into before.
+    n_readers, n_msgs = 2, 3
+    w = MessageQueue(n_readers, n_readers, arena_slots=1, arena_slot_mb=4, arena_min_mb=1,
+                     arena_readers=mode)
+    hq = spawn_ctx.Queue()
+    for rank in range(n_readers):
+        procs.start(ac.inplace_reader_main, w.export_handle(), rank, n_msgs, mode == "shared", hq)
+    resps = {}
+    for _ in range(n_readers):
+        rank, h = hq.get(timeout=120)
+        resps[rank] = MessageQueue.create_from_handle(h, 0)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    for q in resps.values():
+        q.wait_until_ready()
+    t.join(60)
+    core = _core(w)
+    for i in range(n_msgs):
+        w.enqueue(ac.inplace_tensor(i), timeout=60)
+        for rank, q in resps.items():
+            assert q.dequeue(timeout=120) == ("got", rank, i)
+        # Rank 0 has written; the writer's own copy of the slot:
+        sent = ac.inplace_tensor(i) + (1 if mode == "shared" else 0)
+        assert ctypes.string_at(core.data_address, sent.nbytes) == sent.numpy().tobytes()
+        w.enqueue("check")
+        for rank, q in resps.items():
+            tag, r_, i_, fresh, zero_copy, seen, st = q.dequeue(timeout=120)
+            assert (tag, r_, i_) == ("checked", rank, i)
+            assert zero_copy, (rank, i)
+            if mode == "isolated" or rank == 0:
+                assert fresh, f"rank {rank} saw an earlier write in message {i}"
+            assert seen, f"rank {rank}, message {i}: wrong view of rank 0's write ({mode})"
+            assert st["arena_isolated"] == (mode == "isolated")
+    assert w.stats()["arena_hits"] == n_msgs and core.free_slots() == [0]
+    w.enqueue("bye")
+    procs.join_all()
+

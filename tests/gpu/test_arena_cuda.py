@@ -1,7 +1,14 @@
-"""The tensor arena with a real CUDA runtime: the reader's mapping is
-page-locked once, a tensor viewed from it is pinned memory (its H2D copy is
-a true DMA), and a slot comes back only after the event recorded behind the
-copy completes.  The same logic is covered with a fake runtime in
+"""The tensor arena with a real CUDA runtime.
+
+By default readers map the arena copy-on-write: such a mapping is never
+page-locked (a long-term pin of a private mapping would pin private copies
+of its pages, a snapshot later messages never reach), so copies to the GPU
+read pageable memory, every message in a reused slot still arrives intact,
+and a slot comes back as soon as its last view dies.  With shared-writable
+readers (``arena_readers="shared"``) the reader's mapping is page-locked
+once, a tensor viewed from it is pinned memory (its H2D copy is a true
+DMA), and a slot comes back only after the event recorded behind the copy
+completes.  The same logic is covered with a fake runtime in
 tests/test_arena.py; this file runs it for real where CUDA exists."""
 from __future__ import annotations
 
@@ -23,6 +30,10 @@ def _pair(**kw):
     return w, r
 
 
+def _shared_pair():
+    return _pair(arena_readers="shared")
+
+
 def _held(w, slot):
     _, written, done = w.tensor_arena.core.slot_state(slot)
     return bool(written) and not all(done)
@@ -36,8 +47,29 @@ def cuda_ready():
     torch.cuda.synchronize()
 
 
+# -- default: isolated readers -------------------------------------------------------
+def test_isolated_reader_is_not_pinned_and_its_copies_are_right():
+    w, (r1, r2) = local_pair(2, arena_slots=1, arena_slot_mb=8, arena_min_mb=1)
+    for i in range(3):                      # the same slot every time
+        src = torch.randn(2 * MiB)          # 8 MiB
+        w.enqueue(src)
+        a, b = r1.dequeue(timeout=30), r2.dequeue(timeout=30)
+        assert r1.tensor_arena.contains(a.data_ptr())
+        assert not a.is_pinned() and r1.stats()["arena_pinned"] == 0
+        d = a.to("cuda", non_blocking=True)
+        a.add_(1)                           # after the copy was issued: pageable, so consumed
+        torch.cuda.synchronize()
+        assert torch.equal(d.cpu(), src), i
+        assert torch.equal(b, src) and torch.equal(a, src + 1), i
+        del a, b
+        gc.collect()
+        assert not _held(w, 0)              # no event to wait for
+    assert r1.stats()["arena_event_gated"] == 0
+
+
+# -- opt-in: shared-writable readers, pinned -------------------------------------------
 def test_reader_mapping_is_pinned_and_copies_are_dma():
-    w, r = _pair()
+    w, r = _shared_pair()
     src = torch.randn(2 * MiB)              # 8 MiB
     w.enqueue(src)
     t = r.dequeue(timeout=30)
@@ -50,7 +82,7 @@ def test_reader_mapping_is_pinned_and_copies_are_dma():
 
 
 def test_release_waits_for_the_event_after_the_copy():
-    w, r = _pair()
+    w, r = _shared_pair()
     src = torch.randn(2 * MiB)
     w.enqueue(src)
     t = r.dequeue(timeout=30)
@@ -78,7 +110,7 @@ def test_release_waits_for_the_event_after_the_copy():
 
 
 def test_unregistered_before_unmapped():
-    w, r = _pair()
+    w, r = _shared_pair()
     w.enqueue(torch.randn(2 * MiB))
     t = r.dequeue(timeout=30)
     assert t.is_pinned()
@@ -90,7 +122,7 @@ def test_unregistered_before_unmapped():
     gc.collect()
     # The mapping is gone and CUDA has no registration left for that range:
     # registering a fresh mapping that may reuse the address works.
-    w2, r2 = _pair()
+    w2, r2 = _shared_pair()
     w2.enqueue(torch.randn(2 * MiB))
     t2 = r2.dequeue(timeout=30)
     assert t2.is_pinned() and r2.stats()["arena_pinned"] == 1
