@@ -338,12 +338,14 @@ class MessageQueue:
     default ``FASTMQ_WAIT`` or futex) and ``spin_us`` (how long readers spin
     before parking; default ``FASTMQ_SPIN_US`` or 2000).  Readers adopt the
     writer's wait mode and spin budget.  ``remote_curve`` (default
-    ``FASTMQ_CURVE`` or off) encrypts and authenticates the remote TCP path
+    ``FASTMQ_CURVE`` or on) encrypts and authenticates the remote TCP path
     with ZMQ CURVE; the keys travel in the handle (see ``fastmq._curve``).
     ``enable_shm_tensor_arena`` defaults to ``None``: the tensor arena is on
     for local-only queues unless ``FASTMQ_ARENA=0``; ``arena_slots``,
     ``arena_slot_mb``, ``arena_min_mb``, ``arena_prefault`` and
-    ``arena_copy_threads`` size it (see ``fastmq.arena``).
+    ``arena_copy_threads`` size it, and ``arena_readers`` (``"isolated"``,
+    the default, or ``"shared"``) says whether readers get copy-on-write
+    views of a slot or share its writable memory (see ``fastmq.arena``).
     """
 
     def __init__(
