@@ -159,14 +159,16 @@ def test_writer_gone_right_after_overflow_enqueue(procs, how):
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_remote_writer_gone_right_after_enqueue(procs, how):
+    """The same over TCP, with CURVE (the default) encrypting every frame."""
     sizes = [100, 32_000_000, 300]
-    parent, child = mp.Pipe()
-    p = procs.start(dc.remote_writer_then_exit, child, sizes, how)
-    r = MessageQueue.create_from_handle(parent.recv(), 0)
-    r.wait_until_ready()
-    _read(r, len(sizes))
-    p.join(30)
-    assert p.exitcode == (-signal.SIGKILL if how == "kill" else 0)
+    for trial in range(3 if how == "kill" else 1):
+        parent, child = mp.Pipe()
+        p = procs.start(dc.remote_writer_then_exit, child, sizes, how)
+        r = MessageQueue.create_from_handle(parent.recv(), 0)
+        r.wait_until_ready()
+        _read(r, len(sizes))
+        p.join(30)
+        assert p.exitcode == (-signal.SIGKILL if how == "kill" else 0)
 
 
 def test_many_outstanding_overflow_payloads():
