@@ -550,6 +550,10 @@ cdef class Ring:
         c[0] = 1
         (<uint32_t *>(c + 4))[0] = 0
         (<uint64_t *>(c + 8))[0] = msg_id
+        # Released by the publish below: a reader that sees this mark also
+        # sees the id, and can tell a corrupt mark (an id that was never
+        # published) from a payload still in flight.
+        _u64(self.base, H_OVERFLOW_ID)[0] = msg_id
         self.publish(idx)
 
     def mark_closed(self):
@@ -754,6 +758,12 @@ cdef class Ring:
         if not writer and self.reader_rank < 0:
             raise ValueError("the writer's end of a ring has no read flag")
         return self.writable(idx) if writer else self.readable(idx)
+
+    @property
+    def overflow_latest(self):
+        """Id of the newest overflow mark the writer published (0: none)."""
+        self._check_open()
+        return fmq_load_u64_acq(_u64(self.base, H_OVERFLOW_ID))
 
     @property
     def parked_readers(self):

@@ -519,6 +519,8 @@ class MessageQueue:
         self.handle = handle
         self._is_writer = False
         self._remote_seq = 0
+        self._overflow_seen = 0      # id of the last overflow payload received
+        self._overflow_ahead = None  # a payload received before its mark
         self.shutting_down = False
         self.tensor_arena = None
         self._stats = _Stats()
@@ -905,16 +907,32 @@ class MessageQueue:
         timeout leaves both where they were."""
         ring = self._ring
         want = ring.overflow_id
+        if not self._overflow_seen < want <= ring.overflow_latest:
+            # Ids grow, and a payload leaves the writer before its mark is
+            # published: no payload will ever come for this mark.
+            idx = ring.current_idx
+            ring.release_read(idx)
+            raise CorruptChunkError(
+                f"fastmq: ring chunk {idx} holds an overflow mark for message {want}, "
+                f"which the writer never published (last published "
+                f"{ring.overflow_latest}, last received {self._overflow_seen})")
         while True:
-            frames = self._recv_frames(self.local_socket, deadline)
-            msg_id, payload = _split_frames(frames, "local reader")
+            if self._overflow_ahead is not None:
+                (msg_id, payload), self._overflow_ahead = self._overflow_ahead, None
+            else:
+                frames = self._recv_frames(self.local_socket, deadline)
+                msg_id, payload = _split_frames(frames, "local reader")
             if msg_id == want:
                 break
             if msg_id > want:
+                # Kept for the mark that names it; this mark is corrupt.
+                self._overflow_ahead = (msg_id, payload)
+                ring.release_read(ring.current_idx)
                 raise CorruptChunkError(
                     f"fastmq: the ring's overflow mark names message {want}, but the "
                     f"socket delivered message {msg_id} first")
             # msg_id < want: the payload of a send the writer abandoned.
+        self._overflow_seen = want
         ring.release_read(ring.current_idx)
         return self._decode_frames(payload)
 
