@@ -23,6 +23,7 @@ from fastmq import _config, _curve, _net, _proc
 from fastmq._ring import OVERFLOW, WAIT_ZMQ, CorruptChunkError, SegmentMismatchError
 from fastmq._serde import Encoder, decode
 from fastmq import segments
+from fastmq import cleanup  # dead peers
 from fastmq.segments import ShmRingBuffer
 
 logger = logging.getLogger("fastmq")
@@ -166,8 +167,10 @@ class _RingHooks:
         """Why no more messages will come (writer closed or dead), or None."""
         ring = self._ring
         if ring.writer_closed:
-            return f"fastmq: the writer (pid {ring.writer_pid}) shut the queue down"
+            return (f"fastmq: the writer (pid {ring.writer_pid}) shut the queue down"
+                    + segments.dead_peers_note())  # dead peers: name the process that died
         if not self.writer_alive():
+            cleanup.remove_dead_writer(ring)  # dead peers: its files go with it
             return (f"fastmq: the writer (pid {ring.writer_pid}) died; no more "
                     "messages will come")
         return None
@@ -470,6 +473,8 @@ class MessageQueue:
             if self._is_writer:
                 # Before the wake, so that woken readers see it.
                 ring.mark_closed()
+            else:
+                cleanup.remove_dead_writer(ring)  # dead peers: a killed writer's files
             ring.cancel()
             if not self._is_writer and ring.wait_mode == WAIT_ZMQ:
                 try:
