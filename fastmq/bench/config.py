@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 KiB = 1 << 10
 MiB = 1 << 20
 
-SCENARIOS = ("step", "throughput", "tensor", "wake")
+SCENARIOS = ("step", "throughput", "tensor", "wake", "executor")
 
 
 @dataclass
@@ -19,7 +19,9 @@ class Params:
     preset: str = "default"
     # readers per scenario (N): the runs with 1 writer and N readers.
     readers: dict = field(default_factory=lambda: {
-        "step": [1, 2], "throughput": [1, 2], "tensor": [1, 2], "wake": [1]})
+        "step": [1, 2], "throughput": [1, 2], "tensor": [1, 2], "wake": [1],
+        # executor: vLLM's start-up takes minutes here; --readers or --full.
+        "executor": []})
     # step: executor round trip of one payload per size.
     step_sizes: list = field(default_factory=lambda: [100, KiB, 64 * KiB, MiB])
     step_warmup: int = 200          # round trips per size not counted
@@ -61,7 +63,7 @@ def preset(name: str) -> Params:
     if name == "quick":
         return Params(
             preset="quick",
-            readers={"step": [1], "throughput": [1], "tensor": [1], "wake": [1]},
+            readers={"step": [1], "throughput": [1], "tensor": [1], "wake": [1], "executor": []},
             step_sizes=[KiB, MiB], step_warmup=30, step_min=50, step_max=400,
             step_budget_s=0.05,
             tp_budget_s=0.1, tp_max_msgs=20_000, tp_warmup_reps=0, tp_reps=1,
@@ -73,7 +75,7 @@ def preset(name: str) -> Params:
         return Params(
             preset="full",
             readers={"step": [1, 2, 4], "throughput": [1, 2, 4], "tensor": [1, 2, 4],
-                     "wake": [1, 2]},
+                     "wake": [1, 2], "executor": [1, 2]},
             step_sizes=[100, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
             step_warmup=500, step_min=1000, step_max=20_000, step_budget_s=1.0,
             tp_budget_s=1.0, tp_max_msgs=1_000_000, tp_warmup_reps=1, tp_reps=3,

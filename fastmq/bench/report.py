@@ -19,7 +19,8 @@ ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", 
          "throughput": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq"),
          "tensor": ("fastmq-futex+arena", "fastmq-futex", "vllm+arena", "vllm", "pyzmq",
                     "floor"),
-         "wake": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq")}
+         "wake": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq"),
+         "executor": ("fastmq-futex", "vllm")}
 
 TITLES = {
     "step": "step: executor round trip (1 writer broadcasts, each of N readers answers "
@@ -30,6 +31,8 @@ TITLES = {
               "milliseconds per message (enqueue to the last reader's answer)",
     "wake": "wake: one-way latency of one message to readers parked while idle "
             "(microseconds), and CPU used by an idle reader",
+    "executor": "executor: collective_rpc round trip in vLLM's MultiprocExecutor with N "
+                "workers, every worker answering; microseconds",
 }
 
 
@@ -189,7 +192,7 @@ def section(records: list[dict], scenario: str, md: bool) -> str | None:
     rs = _sorted(records, scenario)
     if not rs:
         return None
-    if scenario == "step":
+    if scenario in ("step", "executor"):
         headers = ["N", "payload", "implementation", "p50 us", "p90 us", "p99 us",
                    "vs vLLM (p50)", "samples"]
         rows = [[_ncell(r), fmt_size(r["size_bytes"]), r["impl"], num(r["p50"]),
