@@ -207,8 +207,9 @@ def remove_files_of(pid: int, started: int) -> list[str]:
                 continue
             if creator is not None and creator != (pid, started):
                 continue
-        if kind == "ipc" and _listening(path):
-            continue
+        # No _listening() check for ipc files: the creator is known dead in
+        # this pid namespace, and a killed process whose leader is already
+        # a zombie can still hold its sockets while its other threads exit.
         if _remove_if(path, kind, lambda: not _proc.is_alive(pid, started)):
             removed.append(path)
     return removed
