@@ -27,6 +27,7 @@ from fastmq import _config, _curve, _net, _proc
 from fastmq._ring import OVERFLOW, WAIT_ZMQ, CorruptChunkError, SegmentMismatchError
 from fastmq._serde import Encoder, decode
 from fastmq import segments
+from fastmq import cleanup
 from fastmq.segments import ShmRingBuffer
 
 logger = logging.getLogger("fastmq")
@@ -257,8 +258,10 @@ class _RingHooks:
         """Why no more messages will come (writer closed or dead), or None."""
         ring = self._ring
         if ring.writer_closed:
-            return f"fastmq: the writer (pid {ring.writer_pid}) shut the queue down"
+            return (f"fastmq: the writer (pid {ring.writer_pid}) shut the queue down"
+                    + segments.dead_peers_note())
         if not self.writer_alive():
+            cleanup.remove_dead_writer(ring)   # its files go with it
             return (f"fastmq: the writer (pid {ring.writer_pid}) died; no more "
                     "messages will come")
         return None
@@ -663,7 +666,12 @@ class MessageQueue:
             if self._is_writer:
                 with self._send_lock:
                     ring.mark_closed()
-            elif ring.wait_mode == WAIT_ZMQ:
+                return
+            # A reader whose writer was killed removes the files that the
+            # writer could not (vLLM's queue gets this from the resource
+            # tracker).
+            cleanup.remove_dead_writer(ring)
+            if ring.wait_mode == WAIT_ZMQ:
                 try:
                     self._cancel_send.send(b"\x00", zmq.NOBLOCK)
                 except zmq.ZMQError:
