@@ -485,6 +485,13 @@ cdef class Ring:
             raise RuntimeError("only the writer end publishes chunks")
         self.publish(idx)
 
+    def reserve_next(self, Py_ssize_t nbytes):
+        """Reserve the next chunk's first ``nbytes`` (capped at the chunk)
+        now, so that a later ``send``/``send_overflow_mark`` into it cannot
+        fail for lack of /dev/shm (``ShmFullError`` here instead)."""
+        self._check_open()
+        self.reserve_chunk(self.current_idx, min(max(nbytes, MARK_BYTES), self.max_chunk_bytes))
+
     def framed_size(self, list buffers):
         """The bytes ``send(buffers)`` would fill in a chunk."""
         cdef Py_ssize_t total = FRAME_HEAD + 8 * len(buffers)

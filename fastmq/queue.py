@@ -793,7 +793,12 @@ class MessageQueue:
             # Backpressure: the previous remote message must have left.
             self._wait_flushed(self._remote_pending, deadline, "the remote readers' socket")
             self._remote_pending = None
-        overflow = ring is not None and ring.framed_size(buffers) > ring.max_chunk_bytes
+        overflow = False
+        if ring is not None:
+            framed = ring.framed_size(buffers)
+            overflow = framed > ring.max_chunk_bytes
+            # /dev/shm too must fail here, not after the commit point.
+            ring.reserve_next(framed)
         if overflow:
             self._overflow_id += 1
             tracker = _send_frames(self.local_socket, self._overflow_id, buffers)
