@@ -32,7 +32,7 @@ COMPILED = ["_shm", "_ring", "_arena", "_floor"]
 SDIST_REQUIRED = [
     "LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in",
     ".ci/setup", ".ci/run",
-    "bench/RESULTS.md", "bench/STEP-REPEATS.md", "bench/run.sh", "bench/results.json",
+    "bench/RESULTS.md", "bench/reserve_cost.py", "bench/run.sh", "bench/results.json",
     "tests/conftest.py", "tests/_queues.py", "tests/_core_children.py",
     "tests/_arena_children.py", "tests/_fault_children.py", "tests/_wakeup_children.py",
     "tests/_vllm_children.py", "tests/_ls_children.py", "tests/gpu/test_arena_cuda.py",
