@@ -1,6 +1,9 @@
 # cython: freethreading_compatible = False
 """The tensor arena: one copy of a large buffer for N node-local readers.
 
+The design (copy-on-write readers, slot lifetime, pre-faulting, CUDA) is
+explained in docs/design.md, section "Tensor arena".
+
 A second shared-memory segment next to the ring holds ``n_slots`` slots of
 ``slot_bytes``.  The writer copies a large out-of-band buffer (a CPU
 tensor's bytes, a numpy array, any protocol-5 ``PickleBuffer``) into a free

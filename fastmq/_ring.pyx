@@ -1,5 +1,8 @@
 """The shared-memory ring: layout, flags, waiting and framing.
 
+Why it is built this way (memory ordering, the futex protocol, the
+delivery contract per path): docs/design.md.
+
 Segment layout (all offsets from the mapping's base)::
 
     +---------------------------+ 0

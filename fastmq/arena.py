@@ -3,6 +3,8 @@
 arenas.  The mechanism (layout, flags, copy, descriptors, lifetimes) is in
 ``fastmq._arena``; how a queue uses it is in ``fastmq.queue``.
 
+The design is explained in docs/design.md, section "Tensor arena".
+
 On by default for queues whose readers are all on this node; off with
 ``FASTMQ_ARENA=0`` or ``MessageQueue(..., enable_shm_tensor_arena=False)``.
 Sizing, each from a keyword argument of ``MessageQueue``, else the

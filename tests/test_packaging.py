@@ -28,9 +28,11 @@ COMPILED = ["_shm", "_ring", "_arena", "_floor"]
 
 # What the sdist must carry beyond the package: the test suite with its
 # helpers (a missing conftest or children module makes it unrunnable), the
-# benchmark results the README links, the CI scripts, the licence.
+# benchmark results and the docs the README links (the README tests read the
+# docs), the CI scripts, the licence.
 SDIST_REQUIRED = [
-    "LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in",
+    "LICENSE", "README.md", "docs/design.md", "docs/operations.md",
+    "pyproject.toml", "setup.py", "MANIFEST.in",
     ".ci/setup", ".ci/run",
     "bench/RESULTS.md", "bench/STEP-REPEATS.md", "bench/run.sh", "bench/results.json",
     "tests/conftest.py", "tests/_queues.py", "tests/_core_children.py",

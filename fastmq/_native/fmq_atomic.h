@@ -10,6 +10,8 @@
  * Parking uses Linux futexes on 32-bit aligned words in the shared mapping
  * (not FUTEX_PRIVATE: the waiters live in other processes).  On other
  * systems FMQ_HAVE_FUTEX is 0 and the Python layer falls back to ZMQ.
+ *
+ * The ordering argument and the futex protocol: docs/design.md.
  */
 #ifndef FMQ_ATOMIC_H
 #define FMQ_ATOMIC_H
