@@ -594,10 +594,6 @@ cdef class Arena:
     def data_address(self):
         return <uintptr_t>self.data
 
-    @property
-    def is_writer(self):
-        return self.reader_rank < 0
-
     def slot_state(self, int slot):
         """``(epoch, written, [done per reader])`` of a slot, for tests and logs."""
         if not (0 <= slot < self.n_slots):

@@ -406,10 +406,6 @@ cdef class Ring:
         fmq_add_u32_seq(self.write_seq, 1)
         fmq_futex_wake_all(self.write_seq)
 
-    @property
-    def is_cancelled(self):
-        return bool(fmq_load_u32_acq(&self.cancelled))
-
     # -- writer ------------------------------------------------------------
     cdef int publish(self, int idx) except -1:
         cdef uint8_t *m = self.meta(idx)
@@ -594,17 +590,6 @@ cdef class Ring:
             raise IndexError("chunk index %d out of range" % idx)
         cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes
         return self.data_view[s:s + self.max_chunk_bytes]
-
-    def decode(self, int idx):
-        """Parse chunk ``idx``: None if it marks an overflow message, else
-        ``(stream, oob)`` where ``stream`` is a view of the pickle stream
-        inside the chunk and ``oob`` owned copies of the out-of-band buffers.
-
-        Every length and count is checked against the chunk's bounds first.
-        """
-        self._check_open()
-        self._check_idx(idx)
-        return self._decode(idx)
 
     cdef object _decode(self, int idx):
         # recv()'s path: a C call, ``idx`` is this end's own current chunk.

@@ -297,10 +297,6 @@ class ShmTensorArena:
     def stats(self) -> dict:
         return self.core.stats()
 
-    def empty_buffer(self, nbytes: int) -> SlotBuffer | None:
-        """Writer: ``nbytes`` of writable memory inside a free slot, or None."""
-        return self.core.reserve(nbytes)
-
     def empty_tensor(self, shape, dtype=None):
         """Writer: an uninitialised CPU tensor inside a free slot (sending
         it copies nothing), or None if no slot is free or it does not fit

@@ -5,7 +5,6 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 cdef extern from "fmq_atomic.h" nogil:
     uint8_t fmq_load_u8_acq(const uint8_t *p)
     void fmq_store_u8_rel(uint8_t *p, uint8_t v)
-    void fmq_store_u8_relaxed(uint8_t *p, uint8_t v)
     uint32_t fmq_load_u32_acq(const uint32_t *p)
     uint32_t fmq_load_u32_seq(const uint32_t *p)
     void fmq_store_u32_rel(uint32_t *p, uint32_t v)

@@ -37,9 +37,6 @@ static inline uint8_t fmq_load_u8_acq(const volatile uint8_t *p) {
 static inline void fmq_store_u8_rel(volatile uint8_t *p, uint8_t v) {
     __atomic_store_n(p, v, __ATOMIC_RELEASE);
 }
-static inline void fmq_store_u8_relaxed(volatile uint8_t *p, uint8_t v) {
-    __atomic_store_n(p, v, __ATOMIC_RELAXED);
-}
 static inline uint32_t fmq_load_u32_acq(const volatile uint32_t *p) {
     return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
