@@ -70,6 +70,7 @@ from fastmq._native.atomic cimport (
     fmq_futex_wake_all, fmq_have_futex, fmq_load_u8_acq, fmq_load_u32_acq,
     fmq_load_u32_seq, fmq_now_ns, fmq_sched_yield, fmq_store_u8_rel,
     fmq_store_u32_rel, fmq_sub_u32_seq, fmq_load_u64_acq, fmq_store_u64_rel)
+from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
 from fastmq._shm cimport Segment
 from fastmq._shm import ShmFullError
 
@@ -107,10 +108,6 @@ def have_futex():
     return bool(fmq_have_futex())
 
 
-cdef inline Py_ssize_t _align(Py_ssize_t n, Py_ssize_t a) nogil:
-    return (n + a - 1) & ~(a - 1)
-
-
 def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     """(meta_stride, meta_off, data_off, total) for a ring's geometry."""
     if n_reader < 1 or n_reader > 4096:
@@ -124,14 +121,6 @@ def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     data_off = _align(meta_off + stride * max_chunks, 4096)
     total = data_off + max_chunk_bytes * max_chunks
     return stride, meta_off, data_off, total
-
-
-cdef inline uint32_t *_u32(char *base, Py_ssize_t off) nogil:
-    return <uint32_t *>(base + off)
-
-
-cdef inline uint64_t *_u64(char *base, Py_ssize_t off) nogil:
-    return <uint64_t *>(base + off)
 
 
 cdef class Ring:

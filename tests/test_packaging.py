@@ -40,7 +40,9 @@ SDIST_REQUIRED = [
     "tests/_vllm_children.py", "tests/_ls_children.py", "tests/gpu/test_arena_cuda.py",
     "tests/test_packaging.py",
     "fastmq/_ring.pyx", "fastmq/_ring.pxd", "fastmq/_ring_layout.pxd",
-    "fastmq/_native/fmq_atomic.h", "fastmq/vllm/fastmq-vllm.pth", "fastmq/py.typed",
+    "fastmq/_native/fmq_atomic.h", "fastmq/_native/fmq_populate.h", "fastmq/_native/fmq_copy.h",
+    "fastmq/_native/fmq_cow.h", "fastmq/_native/layout.pxd",
+    "fastmq/vllm/fastmq-vllm.pth", "fastmq/py.typed",
 ]
 
 # The sdist's tests that run against the installed package, and why these:
