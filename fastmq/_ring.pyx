@@ -70,7 +70,8 @@ from fastmq._native.atomic cimport (
     fmq_futex_wake_all, fmq_have_futex, fmq_load_u8_acq, fmq_load_u32_acq,
     fmq_load_u32_seq, fmq_now_ns, fmq_sched_yield, fmq_store_u8_rel,
     fmq_store_u32_rel, fmq_sub_u32_seq, fmq_load_u64_acq, fmq_store_u64_rel)
-from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
+from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
+                                    header_status, word32 as _u32, word64 as _u64)
 from fastmq._shm cimport Segment
 from fastmq._shm import ShmFullError
 
@@ -182,12 +183,13 @@ cdef class Ring:
                 "shared memory segment %r (%d bytes) is too small to be a fastmq ring"
                 % (seg.name, seg.size))
         cdef char *b = <char *>seg.addr
-        if fmq_load_u64_acq(_u64(b, H_MAGIC)) != MAGIC:
+        status = header_status(b, MAGIC, LAYOUT_VERSION)
+        if status == HEADER_NO_MAGIC:
             raise SegmentMismatchError(
                 "shared memory segment %r is not a fastmq ring (no fastmq header); "
                 "was the handle made by vLLM's own MessageQueue while this process "
                 "uses fastmq's?" % seg.name)
-        if _u32(b, H_VERSION)[0] != LAYOUT_VERSION:
+        if status != HEADER_OK:
             raise SegmentMismatchError("fastmq ring %r has layout version %d, this "
                                        "fastmq reads version %d"
                                        % (seg.name, _u32(b, H_VERSION)[0], LAYOUT_VERSION))
