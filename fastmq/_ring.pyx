@@ -475,6 +475,13 @@ cdef class Ring:
             raise RuntimeError("only the writer end publishes chunks")
         self.publish(idx)
 
+    def reserve_next(self, Py_ssize_t nbytes):
+        """Reserve the next chunk's first ``nbytes`` (capped at the chunk)
+        now, so that a later ``send``/``send_overflow_mark`` into it cannot
+        fail for lack of /dev/shm (``ShmFullError`` here instead)."""
+        self._check_open()
+        self.reserve_chunk(self.current_idx, min(max(nbytes, MARK_BYTES), self.max_chunk_bytes))
+
     def framed_size(self, list buffers):
         """The bytes ``send(buffers)`` would fill in a chunk."""
         cdef Py_ssize_t total = FRAME_HEAD + 8 * len(buffers)
@@ -540,6 +547,10 @@ cdef class Ring:
         c[0] = 1
         (<uint32_t *>(c + 4))[0] = 0
         (<uint64_t *>(c + 8))[0] = msg_id
+        # Released by the publish below: a reader that sees this mark also
+        # sees the id, and can tell a corrupt mark (an id that was never
+        # published) from a payload still in flight.
+        _u64(self.base, H_OVERFLOW_ID)[0] = msg_id
         self.publish(idx)
 
     def mark_closed(self):
@@ -733,6 +744,12 @@ cdef class Ring:
         if not writer and self.reader_rank < 0:
             raise ValueError("the writer's end of a ring has no read flag")
         return self.writable(idx) if writer else self.readable(idx)
+
+    @property
+    def overflow_latest(self):
+        """Id of the newest overflow mark the writer published (0: none)."""
+        self._check_open()
+        return fmq_load_u64_acq(_u64(self.base, H_OVERFLOW_ID))
 
     @property
     def parked_readers(self):

@@ -18,6 +18,7 @@ cdef enum:
     H_WRITER_START = 80    # u64  (process start time, clock ticks since boot)
     H_WRITER_STATE = 88    # u32  1 = open, 2 = closed by its writer
     H_PUBLISHED = 96       # u64  messages the writer has published
+    H_OVERFLOW_ID = 104    # u64  id of the newest overflow mark published
     H_READ_SEQ = 128       # u32 futex word that readers park on
     H_READERS_PARKED = 192 # u32 count of parked readers
     H_WRITE_SEQ = 256      # u32 futex word that the writer parks on

@@ -93,17 +93,18 @@ def _ipc_dir() -> str:
     return tempfile.gettempdir()   # where fastmq._net puts them
 
 
-def _candidates():
-    """(path, kind, is_alive) for every fastmq file on this host."""
+def _candidates(only_pid: int | None = None):
+    """(path, kind, creator pid, is_alive) for every fastmq file on this
+    host (of creator ``only_pid`` alone, when given)."""
     try:
         names = sorted(os.listdir(SHM_PATH))
     except OSError:
         names = []
     for name in names:
         m = _SEGMENT.match(name)
-        if m:
+        if m and only_pid in (None, int(m[1])):
             path = os.path.join(SHM_PATH, name)
-            yield path, "segment", lambda p=path, pid=int(m[1]): _segment_alive(p, pid)
+            yield path, "segment", int(m[1]), lambda p=path, pid=int(m[1]): _segment_alive(p, pid)
     ipc_dir = _ipc_dir()
     try:
         names = sorted(os.listdir(ipc_dir))
@@ -111,14 +112,14 @@ def _candidates():
         names = []
     for name in names:
         path = os.path.join(ipc_dir, name)
-        m = _IPC.match(name)
-        if m:
-            yield path, "ipc", lambda p=path, pid=int(m[1]): (
-                _proc.is_alive(pid) or _listening(p))
+        m = _IPC.match(name) or _BIND_DIR.match(name)
+        if not m or only_pid not in (None, int(m[1])):
             continue
-        m = _BIND_DIR.match(name)
-        if m:
-            yield path, "bind", lambda pid=int(m[1]): _proc.is_alive(pid)
+        if m.re is _IPC:
+            yield path, "ipc", int(m[1]), lambda p=path, pid=int(m[1]): (
+                _proc.is_alive(pid) or _listening(p))
+        else:
+            yield path, "bind", int(m[1]), lambda pid=int(m[1]): _proc.is_alive(pid)
 
 
 _KIND_MODE = {"segment": stat.S_ISREG, "ipc": stat.S_ISSOCK, "bind": stat.S_ISDIR}
@@ -148,20 +149,68 @@ def cleanup(dry_run: bool = False) -> list[str]:
     meanwhile) is skipped and logged, never guessed about.
     """
     removed = []
-    for path, kind, alive in _candidates():
-        try:
-            if alive():
-                continue
-            if not dry_run:
-                _remove(path, kind)
-        except FileNotFoundError:
-            continue  # removed by its owner or another cleanup meanwhile
-        except OSError as e:
-            logger.warning("fastmq cleanup: skipping %s: %s", path, e)
-            continue
-        logger.info("fastmq cleanup: %s %s", "would remove" if dry_run else "removed", path)
-        removed.append(path)
+    for path, kind, _, alive in _candidates():
+        if _remove_if(path, kind, lambda: not alive(), dry_run):
+            removed.append(path)
     return removed
 
 
-__all__ = ["cleanup", "ring_creator"]
+def _remove_if(path: str, kind: str, dead, dry_run: bool = False) -> bool:
+    try:
+        if not dead():
+            return False
+        if not dry_run:
+            _remove(path, kind)
+    except FileNotFoundError:
+        return False  # removed by its owner or another cleanup meanwhile
+    except OSError as e:
+        logger.warning("fastmq cleanup: skipping %s: %s", path, e)
+        return False
+    logger.info("fastmq cleanup: %s %s", "would remove" if dry_run else "removed", path)
+    return True
+
+
+def remove_files_of(pid: int, started: int) -> list[str]:
+    """Remove every fastmq file that process ``pid``, started at ``started``
+    (``/proc`` clock ticks, as a ring header records its writer), created,
+    if that process has ended.  Returns the paths removed.
+
+    For a peer that knows its creator's identity from a ring header: the
+    readers of a queue whose writer was killed (``SIGKILL``, OOM) remove
+    its ring, arena and ipc files, as ``fastmq cleanup`` would, without
+    waiting for someone to run it.  Unlike ``cleanup()``, a killed process
+    that its parent has not reaped yet (a zombie) counts as ended.  Nothing
+    is removed while the pid belongs to another live process (its files
+    may be new), nor a ring whose header names another creator."""
+    if pid <= 0 or not started or _proc.is_alive(pid, started):
+        return []
+    now = _proc.start_time(pid)
+    if now and now != started:
+        return []     # the pid was reused: files named after it may be the new process's
+    removed = []
+    for path, kind, _, _ in _candidates(only_pid=pid):
+        if kind == "segment":
+            try:
+                creator = ring_creator(path)
+            except OSError:
+                continue
+            if creator is not None and creator != (pid, started):
+                continue
+        # No _listening() check for ipc files: the creator is known dead in
+        # this pid namespace, and a killed process whose leader is already
+        # a zombie can still hold its sockets while its other threads exit.
+        if _remove_if(path, kind, lambda: not _proc.is_alive(pid, started)):
+            removed.append(path)
+    return removed
+
+
+def remove_dead_writer(ring) -> list[str]:
+    """``remove_files_of`` the writer a reader end of ``ring`` names in its
+    header, if that writer has ended (killed, or killed after it closed the
+    queue: one that exits normally has removed its files already)."""
+    if ring is None or ring.reader_rank < 0:
+        return []
+    return remove_files_of(ring.writer_pid, ring.writer_start)
+
+
+__all__ = ["cleanup", "ring_creator", "remove_files_of", "remove_dead_writer"]

@@ -27,6 +27,7 @@ from fastmq import _config, _curve, _net, _proc
 from fastmq._ring import OVERFLOW, WAIT_ZMQ, CorruptChunkError, SegmentMismatchError
 from fastmq._serde import Encoder, decode
 from fastmq import segments
+from fastmq import cleanup
 from fastmq.segments import ShmRingBuffer
 
 logger = logging.getLogger("fastmq")
@@ -257,8 +258,10 @@ class _RingHooks:
         """Why no more messages will come (writer closed or dead), or None."""
         ring = self._ring
         if ring.writer_closed:
-            return f"fastmq: the writer (pid {ring.writer_pid}) shut the queue down"
+            return (f"fastmq: the writer (pid {ring.writer_pid}) shut the queue down"
+                    + segments.dead_peers_note())
         if not self.writer_alive():
+            cleanup.remove_dead_writer(ring)   # its files go with it
             return (f"fastmq: the writer (pid {ring.writer_pid}) died; no more "
                     "messages will come")
         return None
@@ -519,6 +522,8 @@ class MessageQueue:
         self.handle = handle
         self._is_writer = False
         self._remote_seq = 0
+        self._overflow_seen = 0      # id of the last overflow payload received
+        self._overflow_ahead = None  # a payload received before its mark
         self.shutting_down = False
         self.tensor_arena = None
         self._stats = _Stats()
@@ -661,7 +666,12 @@ class MessageQueue:
             if self._is_writer:
                 with self._send_lock:
                     ring.mark_closed()
-            elif ring.wait_mode == WAIT_ZMQ:
+                return
+            # A reader whose writer was killed removes the files that the
+            # writer could not (vLLM's queue gets this from the resource
+            # tracker).
+            cleanup.remove_dead_writer(ring)
+            if ring.wait_mode == WAIT_ZMQ:
                 try:
                     self._cancel_send.send(b"\x00", zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -783,7 +793,12 @@ class MessageQueue:
             # Backpressure: the previous remote message must have left.
             self._wait_flushed(self._remote_pending, deadline, "the remote readers' socket")
             self._remote_pending = None
-        overflow = ring is not None and ring.framed_size(buffers) > ring.max_chunk_bytes
+        overflow = False
+        if ring is not None:
+            framed = ring.framed_size(buffers)
+            overflow = framed > ring.max_chunk_bytes
+            # /dev/shm too must fail here, not after the commit point.
+            ring.reserve_next(framed)
         if overflow:
             self._overflow_id += 1
             tracker = _send_frames(self.local_socket, self._overflow_id, buffers)
@@ -905,16 +920,32 @@ class MessageQueue:
         timeout leaves both where they were."""
         ring = self._ring
         want = ring.overflow_id
+        if not self._overflow_seen < want <= ring.overflow_latest:
+            # Ids grow, and a payload leaves the writer before its mark is
+            # published: no payload will ever come for this mark.
+            idx = ring.current_idx
+            ring.release_read(idx)
+            raise CorruptChunkError(
+                f"fastmq: ring chunk {idx} holds an overflow mark for message {want}, "
+                f"which the writer never published (last published "
+                f"{ring.overflow_latest}, last received {self._overflow_seen})")
         while True:
-            frames = self._recv_frames(self.local_socket, deadline)
-            msg_id, payload = _split_frames(frames, "local reader")
+            if self._overflow_ahead is not None:
+                (msg_id, payload), self._overflow_ahead = self._overflow_ahead, None
+            else:
+                frames = self._recv_frames(self.local_socket, deadline)
+                msg_id, payload = _split_frames(frames, "local reader")
             if msg_id == want:
                 break
             if msg_id > want:
+                # Kept for the mark that names it; this mark is corrupt.
+                self._overflow_ahead = (msg_id, payload)
+                ring.release_read(ring.current_idx)
                 raise CorruptChunkError(
                     f"fastmq: the ring's overflow mark names message {want}, but the "
                     f"socket delivered message {msg_id} first")
             # msg_id < want: the payload of a send the writer abandoned.
+        self._overflow_seen = want
         ring.release_read(ring.current_idx)
         return self._decode_frames(payload)
 

@@ -12,6 +12,7 @@ import atexit
 import os
 import secrets
 import shutil
+import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -88,6 +89,46 @@ def _remove_leftovers() -> None:
                 pass
 
 
+# Every ring end open in this process (weak; an end leaves on close), so
+# that a queue that fails can say which other process sharing this
+# process's queues is gone (``dead_peers_note``).
+_open_rings: "weakref.WeakSet[ShmRingBuffer]" = weakref.WeakSet()
+
+
+def dead_peers() -> dict[int, list[str]]:
+    """``{pid: [role, ...]}`` of the processes this process shares a ring
+    with that are no longer running: readers of the rings it writes, and
+    writers that neither closed their ring nor are alive."""
+    out: dict[int, list[str]] = {}
+    for buf in list(_open_rings):
+        ring = buf.ring
+        if ring is None or buf.closed:
+            continue
+        if ring.reader_rank < 0:
+            for r in range(ring.n_reader):
+                pid, started = ring.reader_identity(r)
+                if pid and not _proc.is_alive(pid, started):
+                    out.setdefault(pid, []).append(f"reader {r} of {buf.name}")
+        else:
+            pid = ring.writer_pid
+            if not ring.writer_closed and not _proc.is_alive(pid, ring.writer_start):
+                out.setdefault(pid, []).append(f"writer of {buf.name}")
+    return out
+
+
+def dead_peers_note() -> str:
+    """``"; ..."`` naming the processes ``dead_peers`` finds, or ``""``.
+
+    A queue whose writer shut it down cannot tell why; in vLLM that is
+    usually the executor reacting to another worker's death, and the
+    worker to name is that one."""
+    gone = dead_peers()
+    if not gone:
+        return ""
+    return "; a process sharing queues with this one is gone: " + ", ".join(
+        f"pid {pid} ({', '.join(roles)})" for pid, roles in sorted(gone.items()))
+
+
 def forget_segment(name: str) -> None:
     _owned_segments.pop(name, None)
 
@@ -150,6 +191,7 @@ class ShmRingBuffer:
                 raise
             self.segment = seg
             self._creator_pid = os.getpid()
+            _open_rings.add(self)
         else:
             self.is_creator = False
             try:
@@ -158,6 +200,7 @@ class ShmRingBuffer:
                 # Deserialised on another node: never used there.
                 self.segment = None
         self._name = name if name is not None else self.segment.name
+        self.closed = False
 
     def attach_reader(self, reader_rank: int) -> Ring:
         if self.segment is None:
@@ -167,6 +210,7 @@ class ShmRingBuffer:
             )
         self.ring = Ring.attach(self.segment, self.n_reader, self.max_chunk_bytes,
                                 self.max_chunks, reader_rank)
+        _open_rings.add(self)
         return self.ring
 
     @property
@@ -197,6 +241,9 @@ class ShmRingBuffer:
         return self.ring
 
     def close(self) -> None:
+        # First: dead_peers() must never read a closed ring's header.
+        self.closed = True
+        _open_rings.discard(self)
         if self.ring is not None:
             self.ring.close()
         if self.segment is not None:

@@ -4,12 +4,13 @@ Nothing here imports vLLM, torch or fastmq at module level: a child must
 start exactly as a vLLM worker does, with only the .pth import hook in
 place, and import vLLM itself.
 
-vLLM's executor modules (``multiproc_executor``, ``ray_executor_v2``)
-import vLLM's whole configuration stack (transformers, xgrammar, ...).
-Where that cannot be imported -- CI installs vLLM with ``--no-deps`` --
-``import_executor`` runs, in a module of its own, exactly the statements
-with which the installed executor file binds shm_broadcast's names, read
-from that file.  Where it can be imported, the real module is used.
+vLLM's executor modules are imported for real, except
+``ray_executor_v2`` where ray is not installed (ray is not among vLLM's
+requirements, and without it that module fails at import: it names ray's
+``ObjectRef`` in a class body).  For it, ``import_executor`` runs, in a
+module of its own, exactly the statements with which the installed file
+binds shm_broadcast's names, read from that file.  vLLM's executor itself
+runs for real in tests/test_vllm_executor.py.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import itertools
 import json
 import os
 import sys
-import threading
 import types
 
 SHM = "vllm.distributed.device_communicators.shm_broadcast"
@@ -30,17 +30,18 @@ STAND_IN_PREFIX = "_fastmq_test_stand_in"
 _stand_in_ids = itertools.count()
 
 
+# Executor modules that need a package vLLM does not require.
+NEEDS = {"vllm.v1.executor.ray_executor_v2": "ray"}
+
+
 def import_executor(name: str) -> tuple[types.ModuleType, str]:
-    """``(module, how)``: vLLM's executor module itself, or the stand-in
-    described in the module docstring when a third-party dependency of
-    vLLM is missing here (any other import error is raised)."""
-    try:
+    """``(module, how)``: vLLM's executor module itself, or, for a module
+    whose extra package is not installed, the stand-in described in the
+    module docstring (any other import error is raised)."""
+    extra = NEEDS.get(name)
+    if extra is None or importlib.util.find_spec(extra) is not None:
         return importlib.import_module(name), "imported"
-    except ImportError as e:
-        missing = getattr(e, "name", None) or ""
-        if not missing or missing.split(".")[0] in ("vllm", "fastmq"):
-            raise
-        why = f"{name} needs {missing!r}, not installed"
+    why = f"{name} needs {extra!r}, not installed"
     root = list(importlib.util.find_spec("vllm").submodule_search_locations)[0]
     path = os.path.join(root, *name.split(".")[1:]) + ".py"
     with open(path, encoding="utf-8") as f:
@@ -198,89 +199,6 @@ def plugin_peer(conn) -> None:
     out["stand_ins_rebound"] = {m.__name__: fv.patched().get(m.__name__)
                                 for m in execs.values()}
     conn.send(out)
-
-
-# -- vLLM's executor <-> worker pattern (WorkerProc.worker_main, reduced) -------------
-class _Worker:
-    """What vLLM's worker wrapper would be: rpc methods by name."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-
-    def echo(self, obj):
-        return obj
-
-    def tensor_digest(self, t):
-        return {"rank": self.rank, "sum": float(t.sum()), "shape": list(t.shape),
-                "dtype": str(t.dtype)}
-
-    def blob(self, n: int):
-        return bytes([self.rank]) * n
-
-    def fail(self):
-        raise ValueError(f"worker {self.rank} was asked to fail")
-
-
-SUCCESS, FAILURE = "SUCCESS", "FAILURE"
-
-
-def executor_worker(rank: int, input_shm_handle, ready_pipe, death_pipe) -> None:
-    """Exits 0 only after its busy loop ended with ``RuntimeError("cancelled")``
-    raised by the death-pipe monitor's ``shutdown()``, as in vLLM."""
-    at_start = hook_state()
-    executor, how = import_executor("vllm.v1.executor.multiproc_executor")
-    MessageQueue = executor.MessageQueue     # the names vLLM's executor bound
-    import cloudpickle
-
-    # WorkerProc._init_message_queues (single node)
-    rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, rank)
-    worker_response_mq = MessageQueue(1, 1)
-
-    shutdown_requested = threading.Event()
-
-    def death_pipe_monitor(queues_to_shutdown):
-        try:
-            death_pipe.recv()
-        except EOFError:
-            shutdown_requested.set()
-            for mq in queues_to_shutdown:
-                if mq is not None:
-                    mq.shutdown()
-
-    threading.Thread(target=death_pipe_monitor, args=([rpc_broadcast_mq, worker_response_mq],),
-                     daemon=True, name="DeathPipeMonitor").start()
-    ready_pipe.send({
-        "status": "READY",
-        "handle": worker_response_mq.export_handle(),
-        "peer_response_handles": [],
-        "at_start": at_start,
-        "executor": {"how": how, **classes_of(executor)},
-        "queue_types": [type(rpc_broadcast_mq).__module__, type(worker_response_mq).__module__],
-    })
-    # Same order as the executor, or it deadlocks.
-    rpc_broadcast_mq.wait_until_ready()
-    worker_response_mq.wait_until_ready()
-    ready_pipe.close()
-
-    worker = _Worker(rank)
-    try:
-        while True:
-            method, args, kwargs, output_rank = rpc_broadcast_mq.dequeue(indefinite=True)
-            if isinstance(method, str):
-                func = getattr(worker, method)
-            else:
-                func = lambda *a, **k: cloudpickle.loads(method)(worker, *a, **k)  # noqa: E731
-            try:
-                output = (SUCCESS, func(*args, **kwargs))
-            except Exception as e:
-                output = (FAILURE, f"{type(e).__name__}: {e}")
-            if output_rank is None or output_rank == rank:
-                worker_response_mq.enqueue(output)
-    except RuntimeError as e:
-        if str(e) != "cancelled" or not shutdown_requested.is_set():
-            raise
-    finally:
-        death_pipe.close()
 
 
 # -- create_from_process_group with vLLM's StatelessProcessGroup ---------------------

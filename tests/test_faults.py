@@ -139,6 +139,74 @@ def test_reader_waiting_for_overflow_payload_raises_when_writer_killed(procs, sp
     _reap(p)
 
 
+def _files_of(pid: int) -> list[str]:
+    import glob
+    import tempfile
+
+    return sorted(glob.glob(f"/dev/shm/fastmq_{pid}_*")
+                  + glob.glob(os.path.join(tempfile.gettempdir(), f"fastmq_{pid}_*")))
+
+
+def test_reader_removes_the_files_of_a_killed_writer(procs, spawn_ctx):
+    """A reader that finds its writer killed (not yet reaped by its parent)
+    removes that writer's ring, arena and ipc files, as ``fastmq cleanup``
+    would; a reader whose writer lives removes nothing on shutdown."""
+    parent, child = spawn_ctx.Pipe()
+    p = procs.start(children.writer_stall, child, 1, "futex", ["hello"])
+    reader = MessageQueue.create_from_handle(parent.recv(), 0)
+    reader.wait_until_ready()
+    assert parent.recv() == "sent"
+    assert reader.dequeue(timeout=10) == "hello"
+    reader.shutdown()                         # writer alive: nothing removed
+    left = _files_of(p.pid)
+    assert any("_ring_" in f for f in left) and any(f.endswith(".ipc") for f in left), left
+    os.kill(p.pid, 9)
+    while _alive_not_zombie(p.pid):
+        time.sleep(0.01)
+    assert _files_of(p.pid) == left           # a SIGKILLed process removes nothing
+    # What a waiting reader's peer check calls when it finds the writer gone.
+    hooks = reader._ring.hooks
+    assert f"writer (pid {p.pid}) died" in hooks.writer_gone()
+    assert _files_of(p.pid) == []
+    del reader, hooks
+    p.join(10)
+
+
+def _alive_not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_shut_down_queue_names_a_dead_peer_of_this_process(procs, spawn_ctx):
+    """A reader whose writer shut the queue down cannot know why; in vLLM
+    the executor does that when another worker died.  The error names the
+    process sharing queues with this one that is gone."""
+    writer = MessageQueue(2, 2, max_chunks=2, max_chunk_bytes=4096)
+    ready = spawn_ctx.Event()
+    p = procs.start(children.reader_stall, writer.export_handle(), 1, ready)
+    (reader0,) = [MessageQueue.create_from_handle(writer.export_handle(), 0)]
+    writer.wait_until_ready()
+    reader0.wait_until_ready()
+    assert ready.wait(60)
+    other = MessageQueue(1, 1, max_chunks=2, max_chunk_bytes=4096)
+    (other_reader,) = _connect(other, [0])
+    other.shutdown()
+    with pytest.raises(RuntimeError) as alive:
+        other_reader.dequeue(timeout=30)
+    assert str(alive.value) == f"fastmq: the writer (pid {os.getpid()}) shut the queue down"
+    p.kill()
+    p.join(10)
+    with pytest.raises(RuntimeError) as dead:
+        other_reader.dequeue(timeout=30)
+    msg = str(dead.value)
+    assert msg.startswith(f"fastmq: the writer (pid {os.getpid()}) shut the queue down; ")
+    assert f"pid {p.pid} (reader 1 of {writer.buffer.name})" in msg, msg
+    writer.shutdown()
+
+
 @pytest.mark.parametrize("wait_mode", WAIT_MODES)
 def test_timeouts_and_shutdown_with_live_peers(wait_mode):
     writer = MessageQueue(1, 1, max_chunks=1, max_chunk_bytes=4096, wait_mode=wait_mode)

@@ -192,11 +192,9 @@ def test_fuzz_ring_chunks():
         with writer.acquire_write() as buf:
             buf[:len(data)] = data
         try:
+            # A forged overflow mark is recognised at once (its message id
+            # was never published), so nothing here waits for a payload.
             got = reader.dequeue(timeout=0)
-        except TimeoutError as e:
-            # Only a chunk that claims an overflow payload waits on the socket.
-            assert data[0] == 1, (i, kind, e)
-            seen["TimeoutError"] = seen.get("TimeoutError", 0) + 1
         except ACCEPTED as e:
             assert kind != "valid", (i, e)
             name = type(e).__name__
@@ -223,9 +221,8 @@ def test_fuzz_ring_chunks():
     # The cases reached both our own checks and pickle's.
     assert seen.get("CorruptChunkError", 0) > CASES // 10, seen
     assert seen.get("ArenaError", 0) > CASES // 40, seen
-    assert seen.get("TimeoutError", 0) > 0, seen
     assert sum(v for k, v in seen.items()
-               if k not in ("CorruptChunkError", "ArenaError", "TimeoutError", "decoded")
+               if k not in ("CorruptChunkError", "ArenaError", "decoded")
                ) > CASES // 20, seen
 
 

@@ -7,7 +7,9 @@ The test process itself has the hook (fastmq is installed editable), so
 vLLM's ``shm_broadcast`` is fastmq's here too; ``active`` makes sure of it.
 Children run with the spawn start method, or as ``python -c`` where their
 log output is checked; vLLM's executor modules are used through
-``_vllm_children.import_executor`` (see its docstring).
+``_vllm_children.import_executor`` (see its docstring).  vLLM's
+``MultiprocExecutor`` itself, with real workers, is tested in
+test_vllm_executor.py.
 """
 from __future__ import annotations
 
@@ -111,10 +113,13 @@ def recv(conn, timeout: float = 120):
 
 
 def assert_fastmq_executors(executors: dict) -> None:
-    """Every vLLM executor module (or its stand-in) holds fastmq's classes."""
+    """Every vLLM executor module (or, for ray's, its stand-in) holds
+    fastmq's classes; multiproc_executor is vLLM's real module."""
     assert set(executors) == set(children.EXECUTORS)
     for name, seen in executors.items():
         assert {k: seen[k] for k in FASTMQ} == FASTMQ, (name, seen)
+        if "how" in seen and name not in children.NEEDS:
+            assert seen["how"] == "imported", (name, seen)
 
 
 # -- the .pth -------------------------------------------------------------------------
@@ -272,92 +277,7 @@ def test_opt_out_leaves_vllm_untouched_and_mixed_handles_fail_at_attach(
     del writer
 
 
-# -- vLLM's usage, end to end -----------------------------------------------------------
-def test_executor_and_spawned_workers_as_vllm_uses_them(procs, monkeypatch, active):
-    """The engine side builds ``rpc_broadcast_mq`` from shm_broadcast with
-    vLLM's arguments (VLLM_MQ_MAX_CHUNK_BYTES_MB, --enable-shm-tensor-arena);
-    two spawn workers import vLLM's executor module themselves (no fastmq
-    code: the .pth) and attach with the pickled handle, make their
-    ``MessageQueue(1, 1)`` response queues, handshake in vLLM's order, serve
-    ``(method, args, kwargs, output_rank)`` RPCs, and end when the death
-    pipe closes: the monitor thread's ``shutdown()`` makes their
-    ``dequeue(indefinite=True)`` raise ``RuntimeError('cancelled')``."""
-    import cloudpickle
-    import torch
-    import vllm.envs as envs
-    from vllm.utils.network_utils import get_ip
-
-    shm = active
-    monkeypatch.setenv("VLLM_MQ_MAX_CHUNK_BYTES_MB", "1")
-    world_size = local_world_size = 2
-    max_chunk_bytes = envs.VLLM_MQ_MAX_CHUNK_BYTES_MB * 1024 * 1024   # as vLLM computes it
-    rpc_broadcast_mq = shm.MessageQueue(world_size, local_world_size,
-                                        max_chunk_bytes=max_chunk_bytes, connect_ip=get_ip(),
-                                        enable_shm_tensor_arena=True)
-    assert isinstance(rpc_broadcast_mq, fastmq.MessageQueue)
-    assert rpc_broadcast_mq.export_handle().buffer_handle[1] == 1 << 20
-    assert rpc_broadcast_mq.tensor_arena is not None
-    handle = rpc_broadcast_mq.export_handle()
-
-    unready = []
-    for rank in range(world_size):
-        ready_reader, ready_writer = SPAWN.Pipe(duplex=False)
-        death_reader, death_writer = SPAWN.Pipe(duplex=False)
-        procs.start(children.executor_worker, rank, handle, ready_writer, death_reader)
-        ready_writer.close()
-        death_reader.close()
-        unready.append((ready_reader, death_writer))
-
-    response_mqs, death_writers = [], []
-    for rank, (ready_reader, death_writer) in enumerate(unready):
-        response = recv(ready_reader)
-        ready_reader.close()
-        assert response["status"] == "READY"
-        # Unpickling the handle imported fastmq (and torch); nothing of fastmq.vllm
-        # or vLLM's shm_broadcast ran until the executor module was imported.
-        assert response["at_start"]["hook_installed"], response["at_start"]
-        assert not {SHM, "fastmq.vllm"} & set(response["at_start"]["imported"])
-        assert {k: response["executor"][k] for k in FASTMQ} == FASTMQ, response["executor"]
-        assert response["queue_types"] == ["fastmq.queue", "fastmq.queue"]
-        response_mqs.append(shm.MessageQueue.create_from_handle(response["handle"], 0))
-        death_writers.append(death_writer)
-    rpc_broadcast_mq.wait_until_ready()
-    for mq in response_mqs:
-        mq.wait_until_ready()
-
-    def collective_rpc(method, args=(), kwargs=None, output_rank=None):
-        send = method if isinstance(method, str) else cloudpickle.dumps(method)
-        rpc_broadcast_mq.enqueue((send, args, kwargs or {}, output_rank))
-        mqs = response_mqs if output_rank is None else [response_mqs[output_rank]]
-        return [mq.dequeue(timeout=60) for mq in mqs]
-
-    ok = children.SUCCESS
-    assert collective_rpc("echo", ({"step": 1, "ids": [1, 2, 3]},)) == [
-        (ok, {"step": 1, "ids": [1, 2, 3]})] * 2
-    # A 12 MiB tensor: through the arena (vLLM was asked for it).
-    t = torch.arange(3 << 20, dtype=torch.int32)
-    digest = {"sum": float(t.sum()), "shape": [3 << 20], "dtype": "torch.int32"}
-    assert collective_rpc("tensor_digest", (t,)) == [
-        (ok, {"rank": rank, **digest}) for rank in range(world_size)]
-    # Larger than VLLM_MQ_MAX_CHUNK_BYTES_MB: the overflow socket.
-    before = rpc_broadcast_mq.stats()["overflow_messages"]
-    assert collective_rpc("echo", (b"x" * (2 << 20),)) == [(ok, b"x" * (2 << 20))] * 2
-    assert rpc_broadcast_mq.stats()["overflow_messages"] == before + 1
-    # One worker answers; a large answer; a failure; a cloudpickled callable.
-    assert collective_rpc("blob", (3 << 20,), output_rank=1) == [(ok, b"\x01" * (3 << 20))]
-    failed = collective_rpc("fail")
-    assert [f[0] for f in failed] == [children.FAILURE] * 2 and "asked to fail" in failed[1][1]
-    assert collective_rpc(lambda worker, x: (worker.rank, x * 2), (21,)) == [
-        (ok, (0, 42)), (ok, (1, 42))]
-
-    # vLLM's shutdown: closing the death pipes makes each worker's monitor
-    # thread shut its queues down; the workers exit 0 only on 'cancelled'.
-    for w in death_writers:
-        w.close()
-    procs.join_all(timeout=60)
-    rpc_broadcast_mq.shutdown()
-
-
+# -- vLLM's usage (its executor runs for real in test_vllm_executor.py) -------------
 def test_vllm_constructor_arguments_keep_their_meaning(active, monkeypatch):
     """--enable-shm-tensor-arena / --no-enable-shm-tensor-arena arrive as
     ``enable_shm_tensor_arena=True/False``; VLLM_MQ_MAX_CHUNK_BYTES_MB as

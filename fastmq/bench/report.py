@@ -32,7 +32,8 @@ ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "fastmq-r
          "tensor": ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm",
                     "fastmq-remote", "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor"),
          "wake": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor-pipe",
-                  "floor-futex")}
+                  "floor-futex"),
+         "executor": ("fastmq-futex", "vllm")}
 
 TITLES = {
     "step": "step: executor round trip (1 writer broadcasts, each of N readers answers "
@@ -43,6 +44,8 @@ TITLES = {
               "milliseconds per message (enqueue to the last reader's answer)",
     "wake": "wake: one-way latency of one message to readers parked while idle "
             "(microseconds), and CPU used by an idle reader",
+    "executor": "executor: collective_rpc round trip in vLLM's MultiprocExecutor with N "
+                "workers, every worker answering; microseconds",
 }
 
 # The floor each scenario's "vs floor" column uses.
@@ -250,7 +253,7 @@ def section(records: list[dict], scenario: str, md: bool) -> str | None:
         return None
     runs = max(r.get("runs", 1) for r in rs)
     p50 = "p50" if runs == 1 else f"p50 (median of {runs} runs)"
-    if scenario == "step":
+    if scenario in ("step", "executor"):
         headers = ["N", "payload", "implementation", f"{p50} us", "runs' p50", "p90 us",
                    "p99 us", "vs vLLM", "vs floor", "samples"]
         rows = [[_ncell(r), fmt_size(r["size_bytes"]), _impl_cell(r), num(r["p50"]),

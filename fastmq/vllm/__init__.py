@@ -26,7 +26,8 @@ from __future__ import annotations
 import importlib
 import logging
 
-from fastmq.vllm import _guard, _hook, _swap
+from fastmq.vllm import _arena_default, _guard, _hook, _swap
+from fastmq.vllm._arena_default import ArenaDefaultError
 
 logger = logging.getLogger("fastmq")
 
@@ -47,9 +48,14 @@ def patch(*, _source: str = "fastmq.vllm.patch() call") -> dict[str, tuple[str, 
     With ``FASTMQ_VLLM=0`` it does nothing and returns ``{}``.  An explicit
     call does not consult ``VLLM_PLUGINS`` (that selects plugins).
 
+    Where vLLM's engine arguments are imported, also makes the tensor
+    arena their default (``fastmq.vllm._arena_default``).
+
     Raises ``RuntimeError`` naming the symbols when vLLM's API differs
-    from what fastmq implements (nothing is changed then), and
-    ``ImportError`` when vLLM is not installed."""
+    from what fastmq implements (nothing is changed then), or
+    ``ArenaDefaultError`` (a ``RuntimeError``) when the arena flag's
+    symbols moved (the queue is swapped, the default left as vLLM's),
+    and ``ImportError`` when vLLM is not installed."""
     reason = _hook.opt_out_reason(honour_vllm_plugins=False)
     if reason is not None:
         logger.info("fastmq.vllm.patch(): %s, vLLM keeps its own MessageQueue", reason)
@@ -57,7 +63,9 @@ def patch(*, _source: str = "fastmq.vllm.patch() call") -> dict[str, tuple[str, 
     _hook.install()
     # Import before taking the swap lock: the hook takes it during the import.
     module = importlib.import_module(SHM_MODULE)
-    return _swap.swap(module, _source)
+    out = _swap.swap(module, _source)
+    _swap.apply_arena_default()
+    return out
 
 
 def unpatch() -> dict[str, tuple[str, ...]]:
@@ -101,10 +109,11 @@ def status() -> dict:
         "hook_installed": _hook.is_installed(),
         "opted_out": reason,
         "vllm_version": _swap.vllm_version(),
+        "arena_default": _arena_default.is_applied(),
         "tested_versions": TESTED_VERSIONS,
         "patched": patched(),
     }
 
 
-__all__ = ["patch", "unpatch", "is_active", "patched", "originals", "status",
+__all__ = ["patch", "unpatch", "is_active", "patched", "originals", "status", "ArenaDefaultError",
            "SHM_MODULE", "PLUGIN_NAME", "TESTED_VERSIONS"]

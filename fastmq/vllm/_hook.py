@@ -25,6 +25,10 @@ import os
 import sys
 
 SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+# Where vLLM's engine arguments live: fastmq makes the tensor arena their
+# default (fastmq.vllm._arena_default) right after this module's body runs.
+ARG_UTILS_MODULE = "vllm.engine.arg_utils"
+WATCHED = (SHM_MODULE, ARG_UTILS_MODULE)
 # The entry point's name in the ``vllm.general_plugins`` group (pyproject.toml);
 # ``VLLM_PLUGINS`` selects plugins by this name.
 PLUGIN_NAME = "fastmq"
@@ -76,15 +80,15 @@ class _PatchingLoader:
 
 
 class ShmBroadcastFinder:
-    """``sys.meta_path`` entry that finds nothing by itself: for
-    ``SHM_MODULE`` it returns the spec the next finders give, with a
-    loader that patches the module once it has run."""
+    """``sys.meta_path`` entry that finds nothing by itself: for the
+    modules in ``WATCHED`` it returns the spec the next finders give, with
+    a loader that patches the module once it has run."""
 
     def __init__(self):
         self._busy: set[int] = set()   # thread ids inside find_spec (re-entry guard)
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != SHM_MODULE:
+        if fullname not in WATCHED:
             return None
         import _thread
 
@@ -136,7 +140,10 @@ def _on_loaded(module) -> None:
     except Exception as e:   # e.g. fastmq's extension missing: vLLM must still import
         _report(f"fastmq: not swapped into vLLM: cannot import fastmq ({type(e).__name__}: {e})")
         return
-    _swap.activate_from_hook(module)
+    if module.__name__ == ARG_UTILS_MODULE:
+        _swap.arena_default_from_hook(module)
+    else:
+        _swap.activate_from_hook(module)
 
 
 def _report(message: str) -> None:

@@ -22,7 +22,7 @@ import sys
 import threading
 import types
 
-from fastmq.vllm import _guard, _hook
+from fastmq.vllm import _arena_default, _guard, _hook
 
 logger = logging.getLogger("fastmq")
 
@@ -112,9 +112,43 @@ def activate_from_hook(module: types.ModuleType) -> None:
         swap(module, "import hook")
     except RuntimeError as e:
         logger.error("fastmq is not active in this process: %s", e)
+        return
     except Exception:
         logger.exception("fastmq is not active in this process: swapping it into vLLM failed; "
                          "vLLM keeps its own MessageQueue")
+        return
+    arg_utils = sys.modules.get(_arena_default.ARG_UTILS)
+    if arg_utils is not None:
+        arena_default_from_hook(arg_utils)
+
+
+def apply_arena_default() -> bool:
+    """While fastmq is active: make the tensor arena vLLM's engine-argument
+    default, if vLLM's engine arguments are imported (otherwise the import
+    hook does it when they are).  Raises ``ArenaDefaultError`` naming what
+    moved in vLLM, having changed nothing."""
+    arg_utils = sys.modules.get(_arena_default.ARG_UTILS)
+    if arg_utils is None or not is_active():
+        return False
+    return _arena_default.apply(arg_utils)
+
+
+def arena_default_from_hook(arg_utils: types.ModuleType) -> None:
+    """The import hook's entry once vLLM's engine arguments are loaded:
+    makes sure fastmq is active (it imports shm_broadcast, which the hook
+    swaps), then applies the arena default.  Never raises: a vLLM whose
+    symbols moved is logged here, and the plugin, which vLLM calls when it
+    builds its engine arguments, raises it."""
+    import importlib
+
+    try:
+        importlib.import_module(SHM_MODULE)
+        if is_active():
+            _arena_default.apply(arg_utils)
+    except RuntimeError as e:
+        logger.error("%s", e)
+    except Exception:
+        logger.exception("fastmq: making the tensor arena vLLM's default failed")
 
 
 def report() -> dict[str, tuple[str, ...]]:
@@ -161,6 +195,7 @@ def unswap() -> dict[str, tuple[str, ...]]:
                 setattr(_origin_module, n, _originals[n])
         _origin_module, _originals = None, {}
         _rebound.clear()
+    _arena_default.undo()
     _route_logs_to_vllm(undo=True)
     _set_queue_hook(False)
     return restored
@@ -274,5 +309,5 @@ def _arena_text() -> str:
     if not on:
         return "tensor arena off (FASTMQ_ARENA=0)"
     return (f"tensor arena {size.n_slots} x {size.slot_bytes / MiB:g} MiB slots for tensors "
-            f">= {size.min_bytes / MiB:g} MiB (scheduler broadcast: as "
-            "--enable-shm-tensor-arena says; other queues: on where /dev/shm has room)")
+            f">= {size.min_bytes / MiB:g} MiB (scheduler broadcast: on unless "
+            "--no-enable-shm-tensor-arena; other queues: on where /dev/shm has room)")
