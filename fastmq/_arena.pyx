@@ -1,6 +1,9 @@
 # cython: freethreading_compatible = False
 """The tensor arena: one copy of a large buffer for N node-local readers.
 
+The design (copy-on-write readers, slot lifetime, pre-faulting, CUDA) is
+explained in docs/design.md, section "Tensor arena".
+
 A second shared-memory segment next to the ring holds ``n_slots`` slots of
 ``slot_bytes``.  The writer copies a large out-of-band buffer (a CPU
 tensor's bytes, a numpy array, any protocol-5 ``PickleBuffer``) into a free
@@ -77,8 +80,11 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
-from fastmq._native.atomic cimport (fmq_load_u8_acq, fmq_load_u64_acq, fmq_store_u8_rel,
-                                    fmq_store_u64_rel)
+from fastmq._native.atomic cimport (fmq_load_u8_acq, fmq_load_u64_acq, fmq_local_load_int,
+                                    fmq_local_load_u64_acq, fmq_local_max_u64_rel,
+                                    fmq_local_store_int, fmq_store_u8_rel, fmq_store_u64_rel)
+from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
+                                    header_status, word32 as _u32, word64 as _u64)
 from fastmq._shm cimport Segment
 from libc.errno cimport ENOENT, EEXIST, errno
 from libc.string cimport strerror
@@ -97,156 +103,15 @@ from pickle import PickleBuffer
 
 logger = logging.getLogger("fastmq")
 
-cdef extern from *:
-    """
-    #include <errno.h>
-    #include <pthread.h>
-    #include <stdint.h>
-    #include <string.h>
-    #include <sys/mman.h>
-    #ifndef MADV_POPULATE_WRITE
-    #define MADV_POPULATE_WRITE 23
-    #endif
-    #ifndef MADV_HUGEPAGE
-    #define MADV_HUGEPAGE 14
-    #endif
-    #define FMQ_ARENA_PAGE 4096
-    #define FMQ_ARENA_MAX_THREADS 16
+cdef extern from "fmq_populate.h" nogil:
+    int fmq_populate(char *p, size_t n)
+    void fmq_hugepage(char *p, size_t n)
+    int fmq_prefault(char *p, size_t n, int *cancel)
 
-    /* 1 until the kernel answers EINVAL (older than 5.14): then cold pages
-     * are faulted by the copy itself (or by touching, in the background). */
-    static int fmq_arena_populate_ok = 1;
 
-    static int fmq_arena_have_populate(void) {
-        return __atomic_load_n(&fmq_arena_populate_ok, __ATOMIC_RELAXED);
-    }
-
-    /* Allocate and map [p, p+n) writable without changing its contents.
-     * 0, or the errno: EFAULT/ENOMEM is what would otherwise be a SIGBUS in
-     * the middle of a memcpy (tmpfs full) -- the caller falls back instead. */
-    static int fmq_arena_populate(char *p, size_t n) {
-        if (n == 0 || !fmq_arena_have_populate()) return 0;
-        uintptr_t a = (uintptr_t)p & ~(uintptr_t)(FMQ_ARENA_PAGE - 1);
-        if (madvise((void *)a, (size_t)((uintptr_t)p + n - a), MADV_POPULATE_WRITE) == 0)
-            return 0;
-        int e = errno;
-        if (e == EINVAL) {
-            __atomic_store_n(&fmq_arena_populate_ok, 0, __ATOMIC_RELAXED);
-            return 0;
-        }
-        return e;
-    }
-
-    static void fmq_arena_hugepage(char *p, size_t n) {
-        /* Best effort: tmpfs honours it only with shmem_enabled=advise. */
-        (void)madvise((void *)p, n, MADV_HUGEPAGE);
-    }
-
-    typedef struct {
-        char *dst; const char *src; size_t n; size_t cold; int err;
-    } fmq_arena_part_t;
-
-    static void fmq_arena_part_run(fmq_arena_part_t *p) {
-        if (p->cold < p->n) {
-            p->err = fmq_arena_populate(p->dst + p->cold, p->n - p->cold);
-            if (p->err) return;
-        }
-        memcpy(p->dst, p->src, p->n);
-    }
-
-    static void *fmq_arena_part_thread(void *arg) {
-        fmq_arena_part_run((fmq_arena_part_t *)arg);
-        return NULL;
-    }
-
-    /* Copy n bytes, first populating the part from cold_from on, with up to
-     * `threads` threads (the caller is one).  Parts are page multiples, so
-     * no two threads fault or write the same page.  A thread that cannot be
-     * created is replaced by the caller doing its part.  Returns 0 or the
-     * errno of a failed populate (nothing is published then). */
-    static int fmq_arena_copy(char *dst, const char *src, size_t n, size_t cold_from,
-                              int threads, size_t min_part, int *used) {
-        fmq_arena_part_t parts[FMQ_ARENA_MAX_THREADS];
-        pthread_t tids[FMQ_ARENA_MAX_THREADS];
-        int started[FMQ_ARENA_MAX_THREADS];
-        int t = threads, k = 0, i, err;
-        size_t part, off = 0, len;
-        if (t > FMQ_ARENA_MAX_THREADS) t = FMQ_ARENA_MAX_THREADS;
-        if (min_part < FMQ_ARENA_PAGE) min_part = FMQ_ARENA_PAGE;
-        if ((size_t)t > n / min_part) t = (int)(n / min_part);
-        if (t < 1) t = 1;
-        part = ((n / (size_t)t) + FMQ_ARENA_PAGE - 1) & ~(size_t)(FMQ_ARENA_PAGE - 1);
-        for (i = 0; i < t && off < n; i++) {
-            len = (i == t - 1 || part > n - off) ? n - off : part;
-            parts[i].dst = dst + off;
-            parts[i].src = src + off;
-            parts[i].n = len;
-            parts[i].cold = cold_from <= off ? 0 : (cold_from - off < len ? cold_from - off : len);
-            parts[i].err = 0;
-            off += len;
-            k = i + 1;
-        }
-        *used = 1;
-        for (i = 1; i < k; i++) {
-            started[i] = pthread_create(&tids[i], NULL, fmq_arena_part_thread, &parts[i]) == 0;
-            if (started[i]) (*used)++;
-        }
-        if (k > 0) fmq_arena_part_run(&parts[0]);
-        err = k > 0 ? parts[0].err : 0;
-        for (i = 1; i < k; i++) {
-            if (started[i]) pthread_join(tids[i], NULL);
-            else fmq_arena_part_run(&parts[i]);
-            if (!err) err = parts[i].err;
-        }
-        return err;
-    }
-
-    /* Background pre-fault of [p, p+n) in 2 MiB steps (so that `cancel` is
-     * honoured promptly).  Content-preserving either way: populate never
-     * writes, and the fallback's atomic add of 0 cannot lose a concurrent
-     * store.  0, -1 if cancelled, or an errno. */
-    static int fmq_arena_prefault(char *p, size_t n, int *cancel) {
-        const size_t step = (size_t)2 << 20;
-        size_t off, len, q;
-        int e;
-        for (off = 0; off < n; off += step) {
-            if (__atomic_load_n(cancel, __ATOMIC_RELAXED)) return -1;
-            len = n - off < step ? n - off : step;
-            if (fmq_arena_have_populate()) {
-                e = fmq_arena_populate(p + off, len);
-                if (e) return e;
-            }
-            if (!fmq_arena_have_populate()) {
-                for (q = 0; q < len; q += FMQ_ARENA_PAGE)
-                    __atomic_fetch_add((volatile uint8_t *)(p + off + q), 0, __ATOMIC_RELAXED);
-            }
-        }
-        return 0;
-    }
-
-    /* Writer-private bookkeeping shared by the hot path and the prefault
-     * thread (not shared memory, hence not in fmq_atomic.h). */
-    static uint64_t fmq_arena_load_u64(uint64_t *p) {
-        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-    }
-    static void fmq_arena_max_u64(uint64_t *p, uint64_t v) {
-        uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
-        while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, 0, __ATOMIC_RELEASE,
-                                                       __ATOMIC_RELAXED)) {}
-    }
-    static int fmq_arena_load_int(int *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
-    static void fmq_arena_store_int(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-    """
-    int fmq_arena_have_populate() nogil
-    int fmq_arena_populate(char *p, size_t n) nogil
-    void fmq_arena_hugepage(char *p, size_t n) nogil
-    int fmq_arena_copy(char *dst, const char *src, size_t n, size_t cold_from,
-                       int threads, size_t min_part, int *used) nogil
-    int fmq_arena_prefault(char *p, size_t n, int *cancel) nogil
-    uint64_t fmq_arena_load_u64(uint64_t *p) nogil
-    void fmq_arena_max_u64(uint64_t *p, uint64_t v) nogil
-    int fmq_arena_load_int(int *p) nogil
-    void fmq_arena_store_int(int *p, int v) nogil
+cdef extern from "fmq_copy.h" nogil:
+    int fmq_parallel_copy(char *dst, const char *src, size_t n, size_t cold_from,
+                          int threads, size_t min_part, int *used)
 
 
 cdef extern from "fmq_cow.h" nogil:
@@ -266,8 +131,8 @@ PAGE = 4096
 DATA_ALIGN = 2 << 20
 
 cdef enum:
-    H_MAGIC = 0         # u64
-    H_VERSION = 8       # u32
+    H_MAGIC = 0         # u64 (SEG_MAGIC: every segment header begins so)
+    H_VERSION = 8       # u32 (SEG_VERSION)
     H_NREADER = 12      # u32
     H_NSLOTS = 16       # u32
     H_STRIDE = 20       # u32
@@ -358,18 +223,6 @@ except ImportError:  # pragma: no cover - exercised only without torch
     pass
 
 
-cdef inline Py_ssize_t _align(Py_ssize_t n, Py_ssize_t a) nogil:
-    return (n + a - 1) & ~(a - 1)
-
-
-cdef inline uint32_t *_u32(char *p) nogil:
-    return <uint32_t *>p
-
-
-cdef inline uint64_t *_u64(char *p) nogil:
-    return <uint64_t *>p
-
-
 def layout(int n_reader, int n_slots, Py_ssize_t slot_bytes):
     """(stride, flags_off, data_off, total) of an arena's geometry."""
     if n_reader < 1 or n_reader > 4096:
@@ -392,7 +245,7 @@ def is_descriptor(obj):
     except Exception:
         return False
     try:
-        return v.len == C_DESC_LEN and _u64(<char *>v.buf)[0] == C_DESC_MAGIC
+        return v.len == C_DESC_LEN and _u64(<char *>v.buf, 0)[0] == C_DESC_MAGIC
     finally:
         PyBuffer_Release(&v)
 
@@ -424,18 +277,18 @@ cdef class Arena:
         # zeros anyway); slot pages stay unallocated until first use, so an
         # idle arena costs no memory.
         memset(b, 0, flags_off + stride * n_slots)
-        _u32(b + H_VERSION)[0] = LAYOUT_VERSION
-        _u32(b + H_NREADER)[0] = n_reader
-        _u32(b + H_NSLOTS)[0] = n_slots
-        _u32(b + H_STRIDE)[0] = stride
-        _u64(b + H_SLOT_BYTES)[0] = slot_bytes
-        _u64(b + H_FLAGS_OFF)[0] = flags_off
-        _u64(b + H_DATA_OFF)[0] = data_off
-        _u64(b + H_TOTAL)[0] = total
-        _u64(b + H_TOKEN)[0] = int.from_bytes(secrets.token_bytes(8), "little")
-        _u32(b + H_READERS)[0] = READERS_SHARED if shared_writes else READERS_ISOLATED
+        _u32(b, H_VERSION)[0] = LAYOUT_VERSION
+        _u32(b, H_NREADER)[0] = n_reader
+        _u32(b, H_NSLOTS)[0] = n_slots
+        _u32(b, H_STRIDE)[0] = stride
+        _u64(b, H_SLOT_BYTES)[0] = slot_bytes
+        _u64(b, H_FLAGS_OFF)[0] = flags_off
+        _u64(b, H_DATA_OFF)[0] = data_off
+        _u64(b, H_TOTAL)[0] = total
+        _u64(b, H_TOKEN)[0] = int.from_bytes(secrets.token_bytes(8), "little")
+        _u32(b, H_READERS)[0] = READERS_SHARED if shared_writes else READERS_ISOLATED
         # Magic last, released: an attacher that sees it sees the rest.
-        fmq_store_u64_rel(_u64(b + H_MAGIC), C_MAGIC)
+        fmq_store_u64_rel(_u64(b, H_MAGIC), C_MAGIC)
         cdef Arena self = Arena.__new__(Arena)
         self._bind(seg, -1)
         self.min_bytes = max(1, min_bytes)
@@ -487,19 +340,20 @@ cdef class Arena:
             seg.name = name
             seg.owner = False
             b = <char *>p
-            if fmq_load_u64_acq(_u64(b + H_MAGIC)) != C_MAGIC:
+            status = header_status(b, C_MAGIC, LAYOUT_VERSION)
+            if status == HEADER_NO_MAGIC:
                 raise ArenaError("shared memory segment %r is not a fastmq tensor arena" % name)
-            if _u32(b + H_VERSION)[0] != LAYOUT_VERSION:
+            if status != HEADER_OK:
                 raise ArenaError("fastmq arena %r has layout version %d, this fastmq reads %d"
-                                 % (name, _u32(b + H_VERSION)[0], LAYOUT_VERSION))
-            got = (_u32(b + H_NREADER)[0], _u32(b + H_NSLOTS)[0], _u32(b + H_STRIDE)[0],
-                   _u64(b + H_SLOT_BYTES)[0], _u64(b + H_FLAGS_OFF)[0], _u64(b + H_DATA_OFF)[0],
-                   _u64(b + H_TOTAL)[0])
+                                 % (name, _u32(b, H_VERSION)[0], LAYOUT_VERSION))
+            got = (_u32(b, H_NREADER)[0], _u32(b, H_NSLOTS)[0], _u32(b, H_STRIDE)[0],
+                   _u64(b, H_SLOT_BYTES)[0], _u64(b, H_FLAGS_OFF)[0], _u64(b, H_DATA_OFF)[0],
+                   _u64(b, H_TOTAL)[0])
             want = (n_reader, n_slots, stride, slot_bytes, flags_off, data_off, total)
             if got != want or st.st_size < total:
                 raise ArenaError("fastmq arena %r header %r does not match its handle %r "
                                  "(segment %d bytes)" % (name, got, want, st.st_size))
-            mode = _u32(b + H_READERS)[0]
+            mode = _u32(b, H_READERS)[0]
             if mode == READERS_ISOLATED:
                 # Same file, same offsets, in place of the shared slots:
                 # header and flag lines stay shared.  NORESERVE: private
@@ -533,21 +387,21 @@ cdef class Arena:
         self.segment = seg
         self.name = seg.name
         self.base = b
-        self.n_reader = _u32(b + H_NREADER)[0]
-        self.n_slots = _u32(b + H_NSLOTS)[0]
-        self.stride = _u32(b + H_STRIDE)[0]
-        self.slot_bytes = _u64(b + H_SLOT_BYTES)[0]
-        self.flags_off = _u64(b + H_FLAGS_OFF)[0]
-        self.data_off = _u64(b + H_DATA_OFF)[0]
-        self.total_bytes = _u64(b + H_TOTAL)[0]
-        self.token = _u64(b + H_TOKEN)[0]
+        self.n_reader = _u32(b, H_NREADER)[0]
+        self.n_slots = _u32(b, H_NSLOTS)[0]
+        self.stride = _u32(b, H_STRIDE)[0]
+        self.slot_bytes = _u64(b, H_SLOT_BYTES)[0]
+        self.flags_off = _u64(b, H_FLAGS_OFF)[0]
+        self.data_off = _u64(b, H_DATA_OFF)[0]
+        self.total_bytes = _u64(b, H_TOTAL)[0]
+        self.token = _u64(b, H_TOKEN)[0]
         self.data = b + self.data_off
         self.reader_rank = reader_rank
-        self.isolated = _u32(b + H_READERS)[0] == READERS_ISOLATED
+        self.isolated = _u32(b, H_READERS)[0] == READERS_ISOLATED
         if reader_rank < 0 or not self.isolated:
             # Not on a reader's private mapping: there it could only make
             # its private copies huge, which is all cost.
-            fmq_arena_hugepage(self.data, self.slot_bytes * self.n_slots)
+            fmq_hugepage(self.data, self.slot_bytes * self.n_slots)
 
     def __dealloc__(self):
         # Runs only once no SlotBuffer and no prefault thread is left (they
@@ -591,16 +445,12 @@ cdef class Arena:
     def data_address(self):
         return <uintptr_t>self.data
 
-    @property
-    def is_writer(self):
-        return self.reader_rank < 0
-
     def slot_state(self, int slot):
         """``(epoch, written, [done per reader])`` of a slot, for tests and logs."""
         if not (0 <= slot < self.n_slots):
             raise IndexError("slot %d out of range" % slot)
         cdef char *ln = self.line(slot)
-        return (fmq_load_u64_acq(_u64(ln + F_EPOCH)),
+        return (fmq_load_u64_acq(_u64(ln, F_EPOCH)),
                 fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)),
                 [fmq_load_u8_acq(<uint8_t *>(ln + F_DONE + r)) for r in range(self.n_reader)])
 
@@ -620,7 +470,7 @@ cdef class Arena:
         """Writer: bytes from the start of ``slot`` known to be populated."""
         if self.faulted == NULL or not (0 <= slot < self.n_slots):
             return 0
-        return fmq_arena_load_u64(&self.faulted[slot])
+        return fmq_local_load_u64_acq(&self.faulted[slot])
 
     # == writer =============================================================
     # binding(False): a plain METH_O method, the cheapest callable the C
@@ -743,10 +593,10 @@ cdef class Arena:
     cdef uint64_t publish(self, int slot) noexcept nogil:
         cdef char *ln = self.line(slot)
         cdef int r
-        cdef uint64_t epoch = _u64(ln + F_EPOCH)[0] + 1   # only the writer stores it
+        cdef uint64_t epoch = _u64(ln, F_EPOCH)[0] + 1   # only the writer stores it
         for r in range(self.n_reader):
             fmq_store_u8_rel(<uint8_t *>(ln + F_DONE + r), 0)
-        fmq_store_u64_rel(_u64(ln + F_EPOCH), epoch)
+        fmq_store_u64_rel(_u64(ln, F_EPOCH), epoch)
         fmq_store_u8_rel(<uint8_t *>(ln + F_WRITTEN), 1)
         self.in_message[slot] = 1
         self.n_in_message += 1
@@ -756,17 +606,17 @@ cdef class Arena:
         cdef bytes d = PyBytes_FromStringAndSize(NULL, C_DESC_LEN)
         cdef char *p = PyBytes_AS_STRING(d)
         memset(p, 0, C_DESC_LEN)
-        _u64(p + D_MAGIC)[0] = C_DESC_MAGIC
-        _u64(p + D_TOKEN)[0] = self.token
-        _u32(p + D_SLOT)[0] = slot
-        _u64(p + D_OFFSET)[0] = offset
-        _u64(p + D_NBYTES)[0] = nbytes
-        _u64(p + D_EPOCH)[0] = epoch
+        _u64(p, D_MAGIC)[0] = C_DESC_MAGIC
+        _u64(p, D_TOKEN)[0] = self.token
+        _u32(p, D_SLOT)[0] = slot
+        _u64(p, D_OFFSET)[0] = offset
+        _u64(p, D_NBYTES)[0] = nbytes
+        _u64(p, D_EPOCH)[0] = epoch
         return d
 
     cdef object copy_in(self, int slot, const char *src, Py_ssize_t nbytes):
         cdef char *dst = self.slot_ptr(slot)
-        cdef uint64_t warm = fmq_arena_load_u64(&self.faulted[slot])
+        cdef uint64_t warm = fmq_local_load_u64_acq(&self.faulted[slot])
         cdef size_t cold_from = warm if warm < <uint64_t>nbytes else nbytes
         cdef int err, used = 1, threads = self.copy_threads
         cdef size_t min_part = self.copy_min_part
@@ -777,7 +627,7 @@ cdef class Arena:
         # empty_tensor() on another thread cannot claim this slot meanwhile.
         self.in_message[slot] = 1
         with nogil:
-            err = fmq_arena_copy(dst, src, nbytes, cold_from, threads, min_part, &used)
+            err = fmq_parallel_copy(dst, src, nbytes, cold_from, threads, min_part, &used)
         if err:
             self.in_message[slot] = 0
             self.n_nomem += 1
@@ -788,7 +638,7 @@ cdef class Arena:
                     "(%s; /dev/shm is probably full); buffers take the out-of-band path "
                     "while this lasts. Logged once.", self.name, nbytes, slot, os.strerror(err))
             return None
-        fmq_arena_max_u64(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+        fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
         if cold_from < <size_t>nbytes:
             self.after_cold_use(slot)
         epoch = self.publish(slot)
@@ -808,7 +658,7 @@ cdef class Arena:
         if self.in_message[slot]:
             # Another view of a slot this message already published.
             self.n_inplace += 1
-            return self.descriptor(slot, start, nbytes, _u64(ln + F_EPOCH)[0])
+            return self.descriptor(slot, start, nbytes, _u64(ln, F_EPOCH)[0])
         if self.reserved[slot] == 0 or not self.slot_free(slot):
             # Still published by an earlier message (its readers hold it):
             # re-publishing would reset their done flags, so copy instead.
@@ -875,16 +725,16 @@ cdef class Arena:
     cdef int populate_for_use(self, int slot, Py_ssize_t nbytes) except -2:
         """Make ``nbytes`` of ``slot`` resident before the caller writes it:
         0, or -1 when shared memory cannot be allocated (no SIGBUS later)."""
-        cdef uint64_t warm = fmq_arena_load_u64(&self.faulted[slot])
+        cdef uint64_t warm = fmq_local_load_u64_acq(&self.faulted[slot])
         cdef int err
         if warm >= <uint64_t>nbytes:
             return 0
         with nogil:
-            err = fmq_arena_populate(self.slot_ptr(slot) + warm, nbytes - warm)
+            err = fmq_populate(self.slot_ptr(slot) + warm, nbytes - warm)
         if err:
             self.n_nomem += 1
             return -1
-        fmq_arena_max_u64(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+        fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
         self.after_cold_use(slot)
         return 0
 
@@ -901,7 +751,7 @@ cdef class Arena:
             return None
         want = [slot]
         for s in range(self.n_slots):
-            if s != slot and fmq_arena_load_u64(&self.faulted[s]) < <uint64_t>self.slot_bytes:
+            if s != slot and fmq_local_load_u64_acq(&self.faulted[s]) < <uint64_t>self.slot_bytes:
                 want.append(s)
                 break
         self.prefault(want)
@@ -917,7 +767,7 @@ cdef class Arena:
             for s in slots:
                 if not (0 <= s < self.n_slots) or self.prefault_queued[s]:
                     continue
-                if fmq_arena_load_u64(&self.faulted[s]) >= <uint64_t>self.slot_bytes:
+                if fmq_local_load_u64_acq(&self.faulted[s]) >= <uint64_t>self.slot_bytes:
                     continue
                 self.prefault_queued[s] = 1
                 self.prefault_jobs.append(s)
@@ -933,19 +783,19 @@ cdef class Arena:
         cdef size_t n
         while True:
             with self.prefault_lock:
-                if not self.prefault_jobs or fmq_arena_load_int(&self.cancel_prefault):
+                if not self.prefault_jobs or fmq_local_load_int(&self.cancel_prefault):
                     self.prefault_running = False
                     return
                 s = self.prefault_jobs.popleft()
-            start = fmq_arena_load_u64(&self.faulted[s])
+            start = fmq_local_load_u64_acq(&self.faulted[s])
             if start >= <uint64_t>self.slot_bytes:
                 continue
             p = self.slot_ptr(s) + start
             n = self.slot_bytes - start
             with nogil:
-                err = fmq_arena_prefault(p, n, &self.cancel_prefault)
+                err = fmq_prefault(p, n, &self.cancel_prefault)
             if err == 0:
-                fmq_arena_max_u64(&self.faulted[s], self.slot_bytes)
+                fmq_local_max_u64_rel(&self.faulted[s], self.slot_bytes)
                 self.n_prefaulted += n
             elif err > 0:
                 self.prefault_error = err
@@ -968,7 +818,7 @@ cdef class Arena:
         """Stop background work and refuse new diversions.  The mapping
         itself goes when the last reference (views included) does."""
         self.closed = True
-        fmq_arena_store_int(&self.cancel_prefault, 1)
+        fmq_local_store_int(&self.cancel_prefault, 1)
 
     # == reader =============================================================
     @cython.binding(False)   # called per message: a plain C method
@@ -989,7 +839,7 @@ cdef class Arena:
         cdef list mapped = None
         for i in range(n):
             PyObject_GetBuffer(oob[i], &v, PyBUF_SIMPLE)
-            found = v.len == C_DESC_LEN and _u64(<char *>v.buf)[0] == C_DESC_MAGIC
+            found = v.len == C_DESC_LEN and _u64(<char *>v.buf, 0)[0] == C_DESC_MAGIC
             if found:
                 memcpy(desc, v.buf, C_DESC_LEN)
             PyBuffer_Release(&v)
@@ -1024,14 +874,14 @@ cdef class Arena:
         # slot is this message's, and nothing here will ever view it, so
         # hand it back.  Anything less certain is left alone: it might be a
         # later message's slot that this reader has not read yet.
-        cdef uint64_t slot = _u32(<char *>desc + D_SLOT)[0]
+        cdef uint64_t slot = _u32(<char *>desc, D_SLOT)[0]
         cdef char *ln
-        if (self.reader_rank < 0 or _u64(<char *>desc + D_TOKEN)[0] != self.token
+        if (self.reader_rank < 0 or _u64(<char *>desc, D_TOKEN)[0] != self.token
                 or slot >= <uint64_t>self.n_slots or self.refs[slot] > 0):
             return
         ln = self.line(<int>slot)
         if (fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)) != 1
-                or fmq_load_u64_acq(_u64(ln + F_EPOCH)) != _u64(<char *>desc + D_EPOCH)[0]
+                or fmq_load_u64_acq(_u64(ln, F_EPOCH)) != _u64(<char *>desc, D_EPOCH)[0]
                 or fmq_load_u8_acq(<uint8_t *>(ln + F_DONE + self.reader_rank)) != 0):
             return
         self.mark_done(<int>slot)
@@ -1039,11 +889,11 @@ cdef class Arena:
     cdef object resolve(self, const char *desc):
         if self.reader_rank < 0:
             raise ArenaError("the arena's writer cannot resolve slot descriptors")
-        cdef uint64_t token = _u64(<char *>desc + D_TOKEN)[0]
-        cdef uint64_t slot = _u32(<char *>desc + D_SLOT)[0]
-        cdef uint64_t offset = _u64(<char *>desc + D_OFFSET)[0]
-        cdef uint64_t nbytes = _u64(<char *>desc + D_NBYTES)[0]
-        cdef uint64_t epoch = _u64(<char *>desc + D_EPOCH)[0]
+        cdef uint64_t token = _u64(<char *>desc, D_TOKEN)[0]
+        cdef uint64_t slot = _u32(<char *>desc, D_SLOT)[0]
+        cdef uint64_t offset = _u64(<char *>desc, D_OFFSET)[0]
+        cdef uint64_t nbytes = _u64(<char *>desc, D_NBYTES)[0]
+        cdef uint64_t epoch = _u64(<char *>desc, D_EPOCH)[0]
         if token != self.token:
             raise ArenaError("slot descriptor belongs to another arena (token %#x, arena %s "
                              "has %#x)" % (token, self.name, self.token))
@@ -1054,7 +904,7 @@ cdef class Arena:
             raise ArenaError("slot descriptor range [%d, %d+%d) overruns the %d-byte slot of "
                              "arena %s" % (offset, offset, nbytes, self.slot_bytes, self.name))
         cdef char *ln = self.line(<int>slot)
-        cdef uint64_t now = fmq_load_u64_acq(_u64(ln + F_EPOCH))
+        cdef uint64_t now = fmq_load_u64_acq(_u64(ln, F_EPOCH))
         if fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)) != 1 or now != epoch:
             raise ArenaError("stale slot descriptor: slot %d of arena %s is at epoch %d, "
                              "not %d" % (slot, self.name, now, epoch))
@@ -1291,16 +1141,17 @@ def snapshot(buf):
     try:
         if v.len < HEADER:
             raise ArenaError("%d bytes are too few for a fastmq arena" % v.len)
-        if fmq_load_u64_acq(_u64(b + H_MAGIC)) != C_MAGIC:
+        status = header_status(b, C_MAGIC, LAYOUT_VERSION)
+        if status == HEADER_NO_MAGIC:
             raise ArenaError("not a fastmq arena (no fastmq header)")
-        if _u32(b + H_VERSION)[0] != LAYOUT_VERSION:
+        if status != HEADER_OK:
             raise ArenaError("fastmq arena layout version %d, this fastmq reads version %d"
-                             % (_u32(b + H_VERSION)[0], LAYOUT_VERSION))
-        n_reader = _u32(b + H_NREADER)[0]
-        n_slots = _u32(b + H_NSLOTS)[0]
-        slot_bytes = _u64(b + H_SLOT_BYTES)[0]
-        got = (_u32(b + H_STRIDE)[0], _u64(b + H_FLAGS_OFF)[0], _u64(b + H_DATA_OFF)[0],
-               _u64(b + H_TOTAL)[0])
+                             % (_u32(b, H_VERSION)[0], LAYOUT_VERSION))
+        n_reader = _u32(b, H_NREADER)[0]
+        n_slots = _u32(b, H_NSLOTS)[0]
+        slot_bytes = _u64(b, H_SLOT_BYTES)[0]
+        got = (_u32(b, H_STRIDE)[0], _u64(b, H_FLAGS_OFF)[0], _u64(b, H_DATA_OFF)[0],
+               _u64(b, H_TOTAL)[0])
         try:
             want = layout(n_reader, n_slots, slot_bytes)
         except ValueError as e:
@@ -1313,7 +1164,7 @@ def snapshot(buf):
         slots = []
         for s in range(n_slots):
             ln = b + flags_off + s * stride
-            slots.append((fmq_load_u64_acq(_u64(ln + F_EPOCH)),
+            slots.append((fmq_load_u64_acq(_u64(ln, F_EPOCH)),
                           fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)),
                           [fmq_load_u8_acq(<uint8_t *>(ln + F_DONE + r))
                            for r in range(n_reader)]))

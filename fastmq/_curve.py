@@ -1,5 +1,7 @@
 """ZMQ CURVE for the remote (TCP) path: encryption and client authentication.
 
+The threat model: docs/operations.md, "Security".
+
 On by default (``FASTMQ_CURVE=0`` or ``remote_curve=False`` turns it off,
 e.g. to speak plain ZMTP like vLLM's own remote readers).  When on, the
 writer's XPUB is a CURVE server with a fresh keypair, and a ZAP handler

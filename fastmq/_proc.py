@@ -45,9 +45,6 @@ def is_alive(pid: int, started: int = 0) -> bool:
     return True
 
 
-MY_PID = os.getpid()
-
-
 def me() -> tuple[int, int]:
     pid = os.getpid()
     return pid, start_time(pid)

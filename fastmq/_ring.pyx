@@ -1,5 +1,8 @@
 """The shared-memory ring: layout, flags, waiting and framing.
 
+Why it is built this way (memory ordering, the futex protocol, the
+delivery contract per path): docs/design.md.
+
 Segment layout (all offsets from the mapping's base)::
 
     +---------------------------+ 0
@@ -67,6 +70,8 @@ from fastmq._native.atomic cimport (
     fmq_futex_wake_all, fmq_have_futex, fmq_load_u8_acq, fmq_load_u32_acq,
     fmq_load_u32_seq, fmq_now_ns, fmq_sched_yield, fmq_store_u8_rel,
     fmq_store_u32_rel, fmq_sub_u32_seq, fmq_load_u64_acq, fmq_store_u64_rel)
+from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
+                                    header_status, word32 as _u32, word64 as _u64)
 from fastmq._shm cimport Segment
 from fastmq._shm import ShmFullError
 
@@ -104,10 +109,6 @@ def have_futex():
     return bool(fmq_have_futex())
 
 
-cdef inline Py_ssize_t _align(Py_ssize_t n, Py_ssize_t a) nogil:
-    return (n + a - 1) & ~(a - 1)
-
-
 def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     """(meta_stride, meta_off, data_off, total) for a ring's geometry."""
     if n_reader < 1 or n_reader > 4096:
@@ -121,14 +122,6 @@ def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     data_off = _align(meta_off + stride * max_chunks, 4096)
     total = data_off + max_chunk_bytes * max_chunks
     return stride, meta_off, data_off, total
-
-
-cdef inline uint32_t *_u32(char *base, Py_ssize_t off) nogil:
-    return <uint32_t *>(base + off)
-
-
-cdef inline uint64_t *_u64(char *base, Py_ssize_t off) nogil:
-    return <uint64_t *>(base + off)
 
 
 cdef class Ring:
@@ -190,12 +183,13 @@ cdef class Ring:
                 "shared memory segment %r (%d bytes) is too small to be a fastmq ring"
                 % (seg.name, seg.size))
         cdef char *b = <char *>seg.addr
-        if fmq_load_u64_acq(_u64(b, H_MAGIC)) != MAGIC:
+        status = header_status(b, MAGIC, LAYOUT_VERSION)
+        if status == HEADER_NO_MAGIC:
             raise SegmentMismatchError(
                 "shared memory segment %r is not a fastmq ring (no fastmq header); "
                 "was the handle made by vLLM's own MessageQueue while this process "
                 "uses fastmq's?" % seg.name)
-        if _u32(b, H_VERSION)[0] != LAYOUT_VERSION:
+        if status != HEADER_OK:
             raise SegmentMismatchError("fastmq ring %r has layout version %d, this "
                                        "fastmq reads version %d"
                                        % (seg.name, _u32(b, H_VERSION)[0], LAYOUT_VERSION))
@@ -403,10 +397,6 @@ cdef class Ring:
         fmq_add_u32_seq(self.write_seq, 1)
         fmq_futex_wake_all(self.write_seq)
 
-    @property
-    def is_cancelled(self):
-        return bool(fmq_load_u32_acq(&self.cancelled))
-
     # -- writer ------------------------------------------------------------
     cdef int publish(self, int idx) except -1:
         cdef uint8_t *m = self.meta(idx)
@@ -602,17 +592,6 @@ cdef class Ring:
             raise IndexError("chunk index %d out of range" % idx)
         cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes
         return self.data_view[s:s + self.max_chunk_bytes]
-
-    def decode(self, int idx):
-        """Parse chunk ``idx``: None if it marks an overflow message, else
-        ``(stream, oob)`` where ``stream`` is a view of the pickle stream
-        inside the chunk and ``oob`` owned copies of the out-of-band buffers.
-
-        Every length and count is checked against the chunk's bounds first.
-        """
-        self._check_open()
-        self._check_idx(idx)
-        return self._decode(idx)
 
     cdef object _decode(self, int idx):
         # recv()'s path: a C call, ``idx`` is this end's own current chunk.

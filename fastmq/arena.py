@@ -3,6 +3,8 @@
 arenas.  The mechanism (layout, flags, copy, descriptors, lifetimes) is in
 ``fastmq._arena``; how a queue uses it is in ``fastmq.queue``.
 
+The design is explained in docs/design.md, section "Tensor arena".
+
 On by default for queues whose readers are all on this node; off with
 ``FASTMQ_ARENA=0`` or ``MessageQueue(..., enable_shm_tensor_arena=False)``.
 Sizing, each from a keyword argument of ``MessageQueue``, else the
@@ -294,10 +296,6 @@ class ShmTensorArena:
 
     def stats(self) -> dict:
         return self.core.stats()
-
-    def empty_buffer(self, nbytes: int) -> SlotBuffer | None:
-        """Writer: ``nbytes`` of writable memory inside a free slot, or None."""
-        return self.core.reserve(nbytes)
 
     def empty_tensor(self, shape, dtype=None):
         """Writer: an uninitialised CPU tensor inside a free slot (sending

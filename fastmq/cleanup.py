@@ -1,5 +1,7 @@
 """Remove what crashed fastmq processes left behind.
 
+The user's side: docs/operations.md, "Leaked segments".
+
 A process killed with SIGKILL (or by the OOM killer) cannot unlink its
 shared-memory segments or its ipc socket files; tmpfs keeps the segments'
 pages until someone does.  fastmq names everything it creates after its

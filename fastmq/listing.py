@@ -1,5 +1,7 @@
 """``fastmq ls``: every fastmq queue on this host, read from its segments.
 
+The user's side: docs/operations.md, "Inspecting".
+
 Everything comes from the shared-memory headers (``fastmq._ring.snapshot``,
 ``fastmq._arena.snapshot``) and from ``/proc``.  Segments are opened
 ``O_RDONLY`` and mapped ``PROT_READ``: looking at a live queue never writes

@@ -1,5 +1,7 @@
 """Shared-memory segments: naming, space checks, and ``ShmRingBuffer``.
 
+How `/dev/shm` is budgeted and reserved: docs/operations.md.
+
 Every segment fastmq creates is named ``fastmq_<creator pid>_<kind>_<random>``
 so that ``fastmq cleanup`` can tell whose it is and whether that process is
 gone.

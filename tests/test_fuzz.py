@@ -24,8 +24,8 @@ hostile stream makes CPython's unpickler import and call by name (``c``,
 the data (memo ``p``/``r``: a 4-byte index pre-sizes gigabytes of memo;
 ``B``, ``\\x8e``, ``\\x96``: bytes/bytearray of a claimed length).  Those
 are pickle's own hazards with hostile input, not the queue's: the queue's
-trust boundary is the user who can write the segment (docs/readme_faults.md);
-the framing is what is fuzzed.  With them excluded, a ``MemoryError`` here
+trust boundary is the user who can write the segment (docs/operations.md,
+"Hostile bytes in shared memory"); the framing is what is fuzzed.  With them excluded, a ``MemoryError`` here
 would be the queue's bug, so it is not accepted.
 """
 from __future__ import annotations

@@ -28,9 +28,11 @@ COMPILED = ["_shm", "_ring", "_arena", "_floor"]
 
 # What the sdist must carry beyond the package: the test suite with its
 # helpers (a missing conftest or children module makes it unrunnable), the
-# benchmark results the README links, the CI scripts, the licence.
+# benchmark results and the docs the README links (the README tests read the
+# docs), the CI scripts, the licence.
 SDIST_REQUIRED = [
-    "LICENSE", "README.md", "pyproject.toml", "setup.py", "MANIFEST.in",
+    "LICENSE", "README.md", "docs/design.md", "docs/operations.md",
+    "pyproject.toml", "setup.py", "MANIFEST.in",
     ".ci/setup", ".ci/run",
     "bench/RESULTS.md", "bench/reserve_cost.py", "bench/run.sh", "bench/results.json",
     "tests/conftest.py", "tests/_queues.py", "tests/_core_children.py",
@@ -38,7 +40,9 @@ SDIST_REQUIRED = [
     "tests/_vllm_children.py", "tests/_ls_children.py", "tests/gpu/test_arena_cuda.py",
     "tests/test_packaging.py",
     "fastmq/_ring.pyx", "fastmq/_ring.pxd", "fastmq/_ring_layout.pxd",
-    "fastmq/_native/fmq_atomic.h", "fastmq/vllm/fastmq-vllm.pth", "fastmq/py.typed",
+    "fastmq/_native/fmq_atomic.h", "fastmq/_native/fmq_populate.h", "fastmq/_native/fmq_copy.h",
+    "fastmq/_native/fmq_cow.h", "fastmq/_native/layout.pxd",
+    "fastmq/vllm/fastmq-vllm.pth", "fastmq/py.typed",
 ]
 
 # The sdist's tests that run against the installed package, and why these:

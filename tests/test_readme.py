@@ -1,5 +1,6 @@
-"""The README's promises: its standalone example runs, and CI runs exactly
-its test command."""
+"""The README's and docs/' promises: every Python example in them runs as
+written, their links lead somewhere, and CI runs exactly the README's test
+command."""
 from __future__ import annotations
 
 import os
@@ -14,12 +15,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+# An example preceded by `<!-- example:NAME` has its own test below, which
+# also checks what it prints; every other Python block just has to run.
+MARKER = re.compile(r"<!-- example:(\w+)[^>]*-->\n```python\n")
+MARKED_TESTS = {"standalone": "test_standalone_example_runs", "arena": "test_arena_example_runs"}
 
 
 def _block_after(marker: str) -> str:
     i = README.index(marker)
-    m = re.compile(r"```python\n(.*?)```", re.S).search(README, i)
+    m = PYTHON_BLOCK.search(README, i)
     return m.group(1)
+
+
+def _unmarked_blocks():
+    for path in DOCS:
+        text = path.read_text()
+        marked = {m.end() for m in MARKER.finditer(text)}
+        for n, m in enumerate(PYTHON_BLOCK.finditer(text)):
+            if m.start() + len("```python\n") not in marked:
+                yield pytest.param(m.group(1), id=f"{path.relative_to(ROOT)}:{n}")
 
 
 EXAMPLE_LINE = re.compile(r"rank (\d+) got step (\d+)")
@@ -42,9 +58,9 @@ def test_example_lines_survive_interleaved_prints():
     assert _example_lines("rank 0 got step 0\n") != EXPECTED
 
 
-def _write_example(tmp_path) -> Path:
+def _write_example(tmp_path, name: str = "standalone") -> Path:
     script = tmp_path / "example.py"
-    script.write_text(_block_after("<!-- example:standalone"))
+    script.write_text(_block_after(f"<!-- example:{name}"))
     return script
 
 
@@ -60,6 +76,61 @@ def test_standalone_example_runs(tmp_path):
     out = _run([sys.executable, str(_write_example(tmp_path))], tmp_path)
     assert out.returncode == 0, out.stderr
     assert _example_lines(out.stdout) == EXPECTED, out.stdout
+
+
+ARENA_LINE = re.compile(r"rank (\d) got \(1024, 1024\), sum (\d+)")
+
+
+def test_arena_example_runs(tmp_path):
+    pytest.importorskip("torch")
+    out = _run([sys.executable, str(_write_example(tmp_path, "arena"))], tmp_path)
+    assert out.returncode == 0, out.stderr
+    got = sorted(ARENA_LINE.findall(out.stdout))
+    assert got == [("0", str(1 << 20)), ("1", str(1 << 20))], out.stdout
+    # The tensor went through the arena, not the ring or a socket.
+    assert "arena hits: 1" in out.stdout, out.stdout
+
+
+def test_every_marked_example_has_its_test():
+    names = {m.group(1) for p in DOCS for m in MARKER.finditer(p.read_text())}
+    assert names == set(MARKED_TESTS)
+    assert all(callable(globals()[t]) for t in MARKED_TESTS.values())
+
+
+@pytest.mark.parametrize("code", list(_unmarked_blocks()))
+def test_python_block_runs(code, tmp_path):
+    if "fastmq.vllm" in code:
+        pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    out = _run([sys.executable, str(script)], tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_resolve():
+    bad = []
+    for path in DOCS:
+        for target in LINK.findall(path.read_text()):
+            if "://" in target:
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                bad.append(f"{path.name}: {target} (no such file)")
+                continue
+            if anchor and dest.suffix == ".md":
+                heads = {_anchor(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                if anchor not in heads:
+                    bad.append(f"{path.name}: {target} (no such heading)")
+    assert not bad, bad
 
 
 def _can_mount_private_shm() -> str | None:

@@ -1,11 +1,10 @@
 # Declarations of fmq_atomic.h: the only way Cython code touches words that
-# other processes read or write.
+# other processes (or other threads of this one) read or write.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 
 cdef extern from "fmq_atomic.h" nogil:
     uint8_t fmq_load_u8_acq(const uint8_t *p)
     void fmq_store_u8_rel(uint8_t *p, uint8_t v)
-    void fmq_store_u8_relaxed(uint8_t *p, uint8_t v)
     uint32_t fmq_load_u32_acq(const uint32_t *p)
     uint32_t fmq_load_u32_seq(const uint32_t *p)
     void fmq_store_u32_rel(uint32_t *p, uint32_t v)
@@ -14,6 +13,11 @@ cdef extern from "fmq_atomic.h" nogil:
     uint64_t fmq_load_u64_acq(const uint64_t *p)
     void fmq_store_u64_rel(uint64_t *p, uint64_t v)
     int fmq_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired)
+    void fmq_touch_u8(uint8_t *p)
+    uint64_t fmq_local_load_u64_acq(uint64_t *p)
+    void fmq_local_max_u64_rel(uint64_t *p, uint64_t v)
+    int fmq_local_load_int(int *p)
+    void fmq_local_store_int(int *p, int v)
     void fmq_fence_seq()
     void fmq_cpu_relax()
     int fmq_sched_yield()

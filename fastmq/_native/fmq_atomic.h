@@ -1,4 +1,5 @@
-/* fmq_atomic.h: the only place fastmq touches shared-memory words.
+/* fmq_atomic.h: the only place fastmq touches shared-memory words (and the
+ * words that threads of one process share).
  *
  * Every flag and counter that another process reads is a plain fixed-width
  * integer in the mapping, accessed only through these helpers so that the
@@ -10,6 +11,8 @@
  * Parking uses Linux futexes on 32-bit aligned words in the shared mapping
  * (not FUTEX_PRIVATE: the waiters live in other processes).  On other
  * systems FMQ_HAVE_FUTEX is 0 and the Python layer falls back to ZMQ.
+ *
+ * The ordering argument and the futex protocol: docs/design.md.
  */
 #ifndef FMQ_ATOMIC_H
 #define FMQ_ATOMIC_H
@@ -34,9 +37,6 @@ static inline uint8_t fmq_load_u8_acq(const volatile uint8_t *p) {
 }
 static inline void fmq_store_u8_rel(volatile uint8_t *p, uint8_t v) {
     __atomic_store_n(p, v, __ATOMIC_RELEASE);
-}
-static inline void fmq_store_u8_relaxed(volatile uint8_t *p, uint8_t v) {
-    __atomic_store_n(p, v, __ATOMIC_RELAXED);
 }
 static inline uint32_t fmq_load_u32_acq(const volatile uint32_t *p) {
     return __atomic_load_n(p, __ATOMIC_ACQUIRE);
@@ -63,6 +63,28 @@ static inline int fmq_cas_u32(volatile uint32_t *p, uint32_t expected, uint32_t 
     return __atomic_compare_exchange_n(p, &expected, desired, 0,
                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
+/* Touch a shared page without changing it: an atomic add of 0 cannot lose
+ * another process's concurrent store (pre-faulting where the kernel lacks
+ * MADV_POPULATE_WRITE). */
+static inline void fmq_touch_u8(volatile uint8_t *p) {
+    (void)__atomic_fetch_add(p, 0, __ATOMIC_RELAXED);
+}
+
+/* Process-private words read and written by several threads of one process
+ * (the arena writer's bookkeeping, shared with its pre-fault thread). */
+static inline uint64_t fmq_local_load_u64_acq(uint64_t *p) {
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+/* Raise *p to v (never lower it), release: what was populated up to v is
+ * visible to a thread that acquires the new value. */
+static inline void fmq_local_max_u64_rel(uint64_t *p, uint64_t v) {
+    uint64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, 0, __ATOMIC_RELEASE,
+                                                   __ATOMIC_RELAXED)) {}
+}
+static inline int fmq_local_load_int(int *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+static inline void fmq_local_store_int(int *p, int v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+
 /* Full barrier: orders a preceding store before a following load (the
  * "register as parked, then re-check" handshake needs store->load order,
  * which acquire/release alone does not give). */

@@ -1,5 +1,7 @@
 """fastmq inside vLLM: every ``MessageQueue`` vLLM builds is fastmq's.
 
+The user's side: docs/operations.md, "How fastmq enters vLLM".
+
 Installing fastmq is enough.  Three ways in, each idempotent and each
 honouring the opt-out ``FASTMQ_VLLM=0``:
 

@@ -298,17 +298,12 @@ def _wait_text() -> str:
 
 
 def _arena_text() -> str:
-    """What ``MessageQueue`` would use for its tensor arena.  Degrades to
-    'not available' when this build has no ``fastmq.arena``."""
-    try:
-        from fastmq import arena
+    """What ``MessageQueue`` would use for its tensor arena."""
+    from fastmq import arena
 
+    try:
         on, _ = arena.wanted(None)
         size = arena.sizing()
-    except ImportError:
-        return "tensor arena: not available in this fastmq build"
-    except (AttributeError, TypeError):
-        return "tensor arena: sizing not reported by this fastmq build"
     except ValueError as e:
         return f"tensor arena: invalid setting ({e})"
     if not on:
