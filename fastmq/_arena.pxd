@@ -62,6 +62,7 @@ cdef class Arena:
     cdef object copy_in(self, int slot, const char *src, Py_ssize_t nbytes)
     cdef object in_place(self, char *ptr, Py_ssize_t nbytes)
     cdef int populate_for_use(self, int slot, Py_ssize_t nbytes) except -2
+    cdef int reserve_pages(self, int slot, Py_ssize_t start, Py_ssize_t n) except -2
     cdef object after_cold_use(self, int slot)
     cdef object resolve(self, const char *desc)
     cdef object maybe_pin(self)

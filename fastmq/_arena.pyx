@@ -86,6 +86,7 @@ from fastmq._native.atomic cimport (fmq_load_u8_acq, fmq_load_u64_acq, fmq_local
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
                                     header_status, word32 as _u32, word64 as _u64)
 from fastmq._shm cimport Segment
+from fastmq._shm import ShmFullError
 from libc.errno cimport ENOENT, EEXIST, errno
 from libc.string cimport strerror
 from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
@@ -105,6 +106,8 @@ logger = logging.getLogger("fastmq")
 
 cdef extern from "fmq_populate.h" nogil:
     int fmq_populate(char *p, size_t n)
+    int fmq_have_populate()
+    void fmq_set_populate(int on)
     void fmq_hugepage(char *p, size_t n)
     int fmq_prefault(char *p, size_t n, int *cancel)
 
@@ -199,6 +202,12 @@ def set_cow_scan(bint enabled):
     the kernel has it), or drop whole slots; returns the previous setting.
     For tests of the fallback path."""
     return bool(fmq_cow_set_scan(enabled))
+
+
+def set_populate(bint enabled):
+    """Use MADV_POPULATE_WRITE where the kernel has it (default), or behave
+    as on a kernel without it (posix_fallocate, then touch).  For tests."""
+    fmq_set_populate(enabled)
 
 
 def cow_scan_available():
@@ -620,6 +629,9 @@ cdef class Arena:
         cdef size_t cold_from = warm if warm < <uint64_t>nbytes else nbytes
         cdef int err, used = 1, threads = self.copy_threads
         cdef size_t min_part = self.copy_min_part
+        if (not fmq_have_populate() and cold_from < <size_t>nbytes
+                and self.reserve_pages(slot, cold_from, nbytes - cold_from) != 0):
+            return None           # /dev/shm is full: the buffer takes the socket path
         # written = 0 while the bytes change: a stale descriptor for this
         # slot is refused by readers from here on.
         fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_WRITTEN), 0)
@@ -729,6 +741,8 @@ cdef class Arena:
         cdef int err
         if warm >= <uint64_t>nbytes:
             return 0
+        if not fmq_have_populate() and self.reserve_pages(slot, warm, nbytes - warm) != 0:
+            return -1
         with nogil:
             err = fmq_populate(self.slot_ptr(slot) + warm, nbytes - warm)
         if err:
@@ -736,6 +750,18 @@ cdef class Arena:
             return -1
         fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
         self.after_cold_use(slot)
+        return 0
+
+    cdef int reserve_pages(self, int slot, Py_ssize_t start, Py_ssize_t n) except -2:
+        # Kernels without MADV_POPULATE_WRITE: allocate the pages through the
+        # segment's descriptor, so that a full /dev/shm is an error here and
+        # never a SIGBUS in the copy or the pre-fault that touches them.
+        try:
+            self.segment.reserve(self.data_off + slot * self.slot_bytes + start, n,
+                                 "arena slot %d" % slot)
+        except (ShmFullError, OSError, ValueError):
+            self.n_nomem += 1
+            return -1
         return 0
 
     cdef void drop_writer_ref(self, int slot) noexcept:
@@ -792,6 +818,13 @@ cdef class Arena:
                 continue
             p = self.slot_ptr(s) + start
             n = self.slot_bytes - start
+            if not fmq_have_populate() and self.reserve_pages(s, start, n) != 0:
+                logger.warning("fastmq arena %s: /dev/shm has no room to pre-fault slot %d; "
+                               "buffers that need it fall back to the ring", self.name, s)
+                with self.prefault_lock:
+                    self.prefault_running = False
+                    self.prefault_jobs.clear()
+                return
             with nogil:
                 err = fmq_prefault(p, n, &self.cancel_prefault)
             if err == 0:

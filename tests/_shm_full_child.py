@@ -11,7 +11,50 @@ from fastmq._shm import ShmFullError
 MiB = 1 << 20
 
 
+def _pair(**kw):
+    w = MessageQueue(1, 1, **kw)
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    r.wait_until_ready()
+    t.join(10)
+    return w, r
+
+
+def _fill_dev_shm(leave: int) -> str:
+    filler = "/dev/shm/filler"
+    st = os.statvfs("/dev/shm")
+    with open(filler, "wb") as f:
+        f.write(b"\1" * (st.f_bavail * st.f_frsize - leave))
+    return filler
+
+
+def arena_on_old_kernel() -> None:
+    """The arena without MADV_POPULATE_WRITE (kernels before 5.14): its
+    pages are reserved with posix_fallocate first, so a full /dev/shm sends
+    the array the socket way instead of killing the writer."""
+    import numpy as np
+    from fastmq import _arena
+
+    _arena.set_populate(False)
+    w, r = _pair(max_chunk_bytes=64 * 1024, max_chunks=2, enable_shm_tensor_arena=True,
+                 arena_slots=2, arena_slot_mb=2, arena_min_mb=0.5, arena_prefault="off")
+    filler = _fill_dev_shm(MiB // 2)
+    a = np.arange(200_000, dtype=np.float64)            # 1.5 MiB: an arena buffer
+    w.enqueue(a)
+    assert np.array_equal(r.dequeue(timeout=10), a)
+    stats = w.stats()
+    assert stats["arena_fallback_nomem"] >= 1, stats
+    os.unlink(filler)
+    w.enqueue(a)
+    assert np.array_equal(r.dequeue(timeout=10), a)
+    assert w.stats()["arena_hits"] >= 1
+    _arena.set_populate(True)
+    print("arena OK")
+
+
 def main() -> None:
+    arena_on_old_kernel()
     w = MessageQueue(1, 1, max_chunk_bytes=3 * MiB, max_chunks=2,
                      enable_shm_tensor_arena=False)
     r = MessageQueue.create_from_handle(w.export_handle(), 0)

@@ -4,9 +4,9 @@
  * that moment the store is a SIGBUS that kills the writer, so the writer
  * never stores into a page it has not populated: MADV_POPULATE_WRITE
  * (Linux 5.14) allocates and maps a range without changing its contents and
- * returns an error instead of signalling.  On older kernels population is
- * left to the copy itself (or to touching pages, in the background), which
- * cannot avoid the SIGBUS.
+ * returns an error instead of signalling.  On older kernels the arena
+ * reserves the range with posix_fallocate on the segment's descriptor first
+ * (Segment.reserve), which fails the same way, and only then touches it.
  *
  * The design: docs/design.md, "Tensor arena" ("What it costs").
  */
@@ -33,6 +33,11 @@ static int fmq_populate_ok = 1;
 
 static inline int fmq_have_populate(void) {
     return fmq_local_load_int(&fmq_populate_ok);
+}
+
+/* Tests: behave as on a kernel without MADV_POPULATE_WRITE (0) or not. */
+static inline void fmq_set_populate(int on) {
+    fmq_local_store_int(&fmq_populate_ok, on ? 1 : 0);
 }
 
 /* Allocate and map [p, p+n) writable without changing its contents.
