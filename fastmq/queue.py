@@ -434,7 +434,6 @@ class MessageQueue:
                     local_notify_addr, path = _net.bind_ipc(notify)
                     paths.append(path)
                     segments.remove_at_exit([path])
-                segments.remove_at_exit([path])
                 ring.hooks = _RingHooks(ring, notify_socket=notify)
                 self._notify_socket = notify
                 self.tensor_arena = self._make_arena(enable_shm_tensor_arena, arena_options)
@@ -666,6 +665,8 @@ class MessageQueue:
             if self._is_writer:
                 with self._send_lock:
                     ring.mark_closed()
+                # Wake parked readers again, now that they can see "closed".
+                ring.cancel()
                 return
             # A reader whose writer was killed removes the files that the
             # writer could not (vLLM's queue gets this from the resource
