@@ -337,6 +337,9 @@ def _section_notes(records, rs, scenario) -> list[str]:
                          "floor-pipe: a Python reader blocked in os.read() on a pipe, the "
                          "Python writer writing its clock reading after time.sleep(). "
                          "vs pipe floor = floor-pipe p50 / this p50.")
+            notes.append("where the writer's cold path spends its time (interpreter, "
+                         "pickling, enqueue, each cold and warm, fastmq and vLLM): "
+                         "bench/COLD-PATH.md, from `python -m fastmq.bench.coldpath`.")
         if any(r["samples"] < 100 for r in rs):
             notes.append("few samples: p99 is close to the maximum; --full takes more.")
     return notes
