@@ -196,6 +196,13 @@ def round_trips(model_dir: str) -> dict:
     out["alive_after_shutdown"] = [p for p in pids if _alive(p)]
     out["children_after_shutdown"] = _children()
     out["files_after_shutdown"] = _files_of([os.getpid()] + pids)
+    # vLLM's own segments are unlinked by its workers and its resource
+    # tracker, which may finish a moment after shutdown() returns.
+    import time
+
+    settle = time.monotonic() + 10
+    while any(os.path.exists(p) for p in out["segments"]) and time.monotonic() < settle:
+        time.sleep(0.05)
     out["segments_after_shutdown"] = [p for p in out["segments"] if os.path.exists(p)]
     out["tmpdir_after_shutdown"] = _tmpdir()
     return out

@@ -61,7 +61,7 @@ SUBSET = [
     "tests/test_core.py::test_segments_released_on_gc",
     "tests/test_readme.py::test_standalone_example_runs",
     "tests/test_cleanup.py",
-    "tests/test_ls.py::test_positions_match_a_model_of_the_ring",
+    "tests/test_ls.py::test_positions_from_the_counters",
     "tests/test_ls.py::test_ls_reports_unreadable_segments",
 ]
 
