@@ -27,6 +27,16 @@ CHUNK = 64 * 1024
 SIZES = [100, 300_000, 2_000, 1_500_000, 50, 120_000, 30_000]   # ring and overflow
 
 
+def _attach_and_handshake(w, handle, rank=0):
+    r = MessageQueue.create_from_handle(handle, rank)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    r.wait_until_ready()
+    t.join(10)
+    assert not t.is_alive(), "writer handshake did not finish"
+    return r
+
+
 def _read(r, n, timeout=30.0):
     for seq in range(n):
         dc.check(r.dequeue(timeout=timeout), seq)
@@ -187,11 +197,7 @@ def test_remote_reader_far_behind_gets_backpressure():
     high-water mark silently; now the writer waits for it."""
     n = 3000
     w = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    r = MessageQueue.create_from_handle(w.export_handle(), 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
+    r = _attach_and_handshake(w, w.export_handle())
     sent = []
 
     def write():
@@ -210,11 +216,7 @@ def test_remote_reader_far_behind_gets_backpressure():
 def test_remote_reader_disconnect_is_an_error_not_a_gap():
     w = MessageQueue(1, 0, connect_ip="127.0.0.1")
     h = w.export_handle()
-    r = MessageQueue.create_from_handle(h, 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
+    r = _attach_and_handshake(w, h)
     w.enqueue(dc.message(0, 10))
     dc.check(r.dequeue(timeout=10), 0)
     # The reader goes away; a new one with the same handle comes back.
@@ -229,11 +231,7 @@ def test_remote_reader_disconnect_is_an_error_not_a_gap():
 def test_remote_reader_after_handshake_gets_a_clear_error():
     w = MessageQueue(1, 0, connect_ip="127.0.0.1")
     h = w.export_handle()
-    r = MessageQueue.create_from_handle(h, 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
+    r = _attach_and_handshake(w, h)
     late = MessageQueue.create_from_handle(h, 1)
     time.sleep(0.5)                 # its subscription reaches the writer
     w.enqueue("x")
@@ -259,11 +257,7 @@ def test_fork_child_dropping_inherited_queue_keeps_parent_sockets():
     OUR_PIDS.add(pid)
     os.waitpid(pid, 0)
     assert os.path.exists(path), "the forked child removed the parent's socket file"
-    r = MessageQueue.create_from_handle(h, 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
+    r = _attach_and_handshake(w, h)
     w.enqueue("after fork")
     assert r.dequeue(timeout=10) == "after fork"
 
