@@ -892,15 +892,12 @@ class MessageQueue:
                 # Hand back arena slots whose last view died (CUDA-event
                 # gated where this process pinned the arena).
                 arena.flush_releases()
-            ring = self._ring
-            if timeout is None:
-                obj = ring.recv(None, indefinite)
-                deadline = None
-            else:
-                deadline = _deadline(timeout)
-                obj = ring.recv(timeout, indefinite)
+            obj = self._ring.recv(timeout, indefinite)
             if obj is OVERFLOW:
-                obj = self._recv_overflow(deadline)
+                # The payload left the writer before the mark was published:
+                # it is here or nearly, so it gets its own (full) timeout
+                # rather than a clock read on every dequeue().
+                obj = self._recv_overflow(_deadline(timeout))
             return obj
         if self._is_remote_reader:
             frames = self._recv_frames(self.remote_socket, _deadline(timeout))
