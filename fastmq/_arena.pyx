@@ -496,7 +496,8 @@ cdef class Arena:
         conjugate/negative-bit, non-strided, and non-contiguous tensors.  The
         last kind would reach the buffer callback as the contiguous copy
         ``reduce_tensor`` makes; it is reduced here and that buffer is marked
-        so that it takes the out-of-band path, as the issue asks.
+        so that it takes the out-of-band path: one copy into the socket
+        message rather than a second copy into the arena.
         ``Parameter`` passes: torch reduces it through ``.data``, an exact
         tensor checked here, and rebuilds it with its own
         ``_rebuild_parameter`` over the arena-backed data.
