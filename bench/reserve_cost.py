@@ -16,10 +16,11 @@ import gc
 import os
 import statistics
 import sys
-import threading
 import time
 
 os.environ["FASTMQ_VLLM"] = "0"      # vLLM's class must be vLLM's own
+
+from fastmq.bench.coldpath import queue_pair  # noqa: E402
 
 
 def _rss_kib() -> int:
@@ -40,16 +41,6 @@ def _shm_kib(names) -> int:
     return total // 1024
 
 
-def _pair(cls):
-    w = cls(1, 1)
-    r = cls.create_from_handle(w.export_handle(), 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join()
-    return w, r
-
-
 def _segment_names(w) -> list[str]:
     names = []
     buf = getattr(w, "buffer", None)
@@ -67,7 +58,7 @@ def measure(cls, label: str, steps: int = 3000) -> dict:
         del w
         gc.collect()
     rss0 = _rss_kib()
-    w, r = _pair(cls)
+    w, r = queue_pair(cls)
     rss_created = _rss_kib() - rss0
     shm_created = _shm_kib(_segment_names(w))
     msg = b"x" * 1024

@@ -85,9 +85,9 @@ from fastmq._native.atomic cimport (fmq_load_u8_acq, fmq_load_u64_acq, fmq_local
                                     fmq_local_store_int, fmq_store_u8_rel, fmq_store_u64_rel)
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
                                     header_status, word32 as _u32, word64 as _u64)
-from fastmq._shm cimport Segment
+from fastmq._shm cimport Segment, _os_error
 from fastmq._shm import ShmFullError
-from libc.errno cimport ENOENT, EEXIST, errno
+from libc.errno cimport errno
 from libc.string cimport strerror
 from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
 from posix.mman cimport (MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE,
@@ -163,15 +163,6 @@ cdef uint64_t C_DESC_MAGIC = DESC_MAGIC
 
 class ArenaError(RuntimeError):
     """An arena descriptor or segment is invalid, stale, or not attached."""
-
-
-cdef object _os_error(int err, str what, str name):
-    msg = "%s %r: %s" % (what, name, strerror(err).decode())
-    if err == ENOENT:
-        return FileNotFoundError(err, msg)
-    if err == EEXIST:
-        return FileExistsError(err, msg)
-    return OSError(err, msg)
 
 
 # This process's /proc/self/pagemap, for PAGEMAP_SCAN (see fmq_cow.h):

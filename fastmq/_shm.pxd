@@ -1,3 +1,5 @@
+cdef object _os_error(int err, str what, str name)
+
 cdef class Segment:
     cdef readonly str name
     cdef readonly Py_ssize_t size

@@ -48,8 +48,10 @@ def _measure(fn, samples: int, idle_s: float) -> tuple[float, float]:
     return statistics.median(cold) / 1e3, statistics.median(warm) / 1e3
 
 
-def _queue_pair(cls):
-    w = cls(1, 1, max_chunk_bytes=1 << 16, max_chunks=4)
+def queue_pair(cls, *args, **kw):
+    """A writer and one handshaken in-process reader of ``cls`` (fastmq's
+    or vLLM's ``MessageQueue``), made with ``cls(1, 1, *args, **kw)``."""
+    w = cls(1, 1, *args, **kw)
     r = cls.create_from_handle(w.export_handle(), 0)
     t = threading.Thread(target=w.wait_until_ready)
     t.start()
@@ -82,14 +84,14 @@ def main(argv=None) -> int:
         ("pickle.dumps(message)", lambda: pickle.dumps(MSG, protocol=5)),
         ("fastmq Encoder.encode(message)", lambda: enc.encode(MSG)),
     ]
-    fw, fr = _queue_pair(MessageQueue)
+    fw, fr = queue_pair(MessageQueue, max_chunk_bytes=1 << 16, max_chunks=4)
     rows.append(("fastmq enqueue() + reader's dequeue(), same process", _enqueue_step(fw, fr)))
     try:
         from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as VMQ
     except Exception as e:                    # vLLM is optional
         print(f"(vLLM not measured: {type(e).__name__}: {e})", file=sys.stderr)
     else:
-        vw, vr = _queue_pair(VMQ)
+        vw, vr = queue_pair(VMQ, max_chunk_bytes=1 << 16, max_chunks=4)
         rows.append(("vLLM enqueue() + reader's dequeue(), same process", _enqueue_step(vw, vr)))
     out = [f"Command: `python -m fastmq.bench.coldpath --samples {args.samples} --idle {args.idle}` "
            f"({time.strftime('%Y-%m-%d')}, load {os.getloadavg()[0]:.2f}); medians in us.",
