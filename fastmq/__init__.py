@@ -12,7 +12,8 @@ from fastmq._ring import CorruptChunkError, SegmentMismatchError
 from fastmq._shm import ShmFullError
 from fastmq.queue import (LONG_WAIT_TIME_LOG_MSG, BufferHandle, Handle,
                           HandleMismatchError, MessageQueue)
-from fastmq.segments import SHM_PATH, ShmRingBuffer, check_shm_free_space
+from fastmq.ring import ShmRingBuffer
+from fastmq.segments import SHM_PATH, check_shm_free_space
 # The function shadows the submodule as an attribute of the package
 # (``from fastmq.cleanup import ...`` still reaches the module).
 from fastmq.cleanup import cleanup

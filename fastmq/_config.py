@@ -87,3 +87,14 @@ def spin_us(value: float | None) -> float:
 def warning_interval() -> float:
     """vLLM's ``VLLM_RINGBUFFER_WARNING_INTERVAL`` (seconds, default 60)."""
     return env_float("VLLM_RINGBUFFER_WARNING_INTERVAL", 60.0)
+
+
+# vLLM's text for a wait longer than warning_interval(); fastmq appends who
+# it is waiting for.
+LONG_WAIT_TIME_LOG_MSG = (
+    "No available shared memory broadcast block found "
+    "in %d seconds. This typically happens "
+    "when some processes are hanging or doing some "
+    "time-consuming work (e.g. compilation, "
+    "weight/kv cache quantization)."
+)

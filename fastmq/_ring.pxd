@@ -1,7 +1,7 @@
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from fastmq._shm cimport Segment
 
-cdef class Ring:
+cdef class RingEnd:
     cdef readonly Segment segment
     cdef char *base
     cdef readonly int n_reader
@@ -17,23 +17,39 @@ cdef class Ring:
     cdef uint32_t cancelled
     cdef readonly int current_idx
     cdef readonly int reader_rank
+    cdef readonly bint is_writer
     cdef readonly int wait_mode
     cdef readonly int64_t spin_ns
-    cdef public object hooks
+    # Seconds between LONG_WAIT statuses of one wait (0: never).
     cdef public double warn_interval
     # Safety-net period of a parked waiter's re-check (tests stretch it to
     # prove that no wakeup depends on it).
     cdef public int64_t park_slice_ns
+    # The wait in progress (wait_next / continue_wait): its start, deadline
+    # and long-wait clock, in fmq_now_ns() time.
+    cdef bint w_active
+    cdef int64_t w_start
+    cdef int64_t w_deadline
+    cdef int64_t w_next_warn
+    cdef int64_t w_warn_ns
+    cdef int64_t next_peer_check
+    # The reader a READER_DIED status (or peer_status) found dead.
+    cdef readonly int dead_rank
+    cdef readonly uint32_t dead_pid
+    # ZMQ wait mode: the writer's notify XPUB; a reader's notify SUB and
+    # the poller it parks on (see use_zmq_wakeup).
+    cdef object zmq_notify
+    cdef object zmq_poller
     # Wake syscalls this end issued (a busy pipeline should issue none).
     cdef readonly uint64_t wakeups
-    # Chunks this writer end published (see Ring.publish).
+    # Chunks this writer end published (see RingEnd.publish).
     cdef readonly uint64_t n_published
     # Messages this reader end has read (mirrored into its reader slot).
     cdef readonly uint64_t n_read
     # Wakeups the ZMQ notify failed to send, and the last such error.
     cdef readonly uint64_t notify_errors
     cdef readonly object last_notify_error
-    # Message id of the overflow mark that recv() last returned OVERFLOW for.
+    # Message id of the overflow mark that read_frames() last returned None for.
     cdef readonly uint64_t overflow_id
     # Writer: bytes of each chunk reserved in /dev/shm so far.
     cdef Py_ssize_t *reserved
@@ -41,25 +57,28 @@ cdef class Ring:
     cdef bint claimed
     cdef object data_view
     cdef object __weakref__
-    cdef object loads
-    # Called as oob_hook(oob_list) -> list before unpickling a message that
-    # has out-of-band buffers (the tensor arena maps slot descriptors).
-    cdef public object oob_hook
 
     cdef inline uint8_t *meta(self, int idx) nogil
     cdef inline char *chunk(self, int idx) nogil
     cdef inline bint readable(self, int idx) nogil
     cdef inline bint writable(self, int idx) nogil
-    cdef int spin_until(self, int idx, bint writer, int64_t until_ns) nogil
-    cdef int park_futex(self, int idx, bint writer, int64_t timeout_ns) nogil
-    cdef int wait(self, int idx, bint writer, object timeout, bint warn) except -1
+    cdef inline bint turn(self, int idx) nogil
+    cdef int spin_until(self, int idx, int64_t until_ns) nogil
+    cdef int park_futex(self, int idx, int64_t timeout_ns) nogil
+    cdef int park_zmq(self, int idx, int64_t timeout_ns) except -1
+    cdef int wait_loop(self) except -1
+    cdef int spin_then_park(self) except -1
+    cdef int between_slices(self, int idx) except -1
+    cdef int check_peers(self, int idx) except -1
+    cdef bint find_dead_reader(self, int idx) except -1
+    cdef inline bint closed_by_writer(self) noexcept
+    cdef int writer_state(self) except -1
     cdef int publish(self, int idx) except -1
     cdef int release_chunk(self, int idx) except -1
     cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1
     cdef int release_claim(self) noexcept
     cdef inline int _check_open(self) except -1
     cdef inline int _check_idx(self, int idx) except -1
-    cdef object _decode(self, int idx)
-    cdef int park_zmq(self, int idx, bint writer, int64_t timeout_ns) except -1
-    cdef int _slice(self, int64_t start, int64_t deadline, int64_t *next_warn,
-                    int64_t warn_ns, bint writer, int idx) except -1
+    cdef inline int _check_turn(self, int idx) except -1
+    cdef inline int _check_writer(self) except -1
+    cdef inline int _check_reader(self) except -1

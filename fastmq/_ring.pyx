@@ -75,7 +75,7 @@ from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _ali
 from fastmq._shm cimport Segment
 from fastmq._shm import ShmFullError
 
-import os
+from fastmq._proc import is_alive as _process_alive
 
 MAGIC = 0x3152514d54534146   # b"FASTMQR1" little-endian
 LAYOUT_VERSION = 1
@@ -93,8 +93,25 @@ WAIT_SPIN = 0
 WAIT_FUTEX = 1
 WAIT_ZMQ = 2
 
+# What a wait returns: the caller logs (LONG_WAIT, then continue_wait()) or
+# raises (a gone peer).  See RingEnd.wait_next.
+cdef enum:
+    ST_READY = 0
+    ST_LONG_WAIT = 1
+    ST_WRITER_CLOSED = 2
+    ST_WRITER_DIED = 3
+    ST_READER_DIED = 4
+READY = ST_READY
+LONG_WAIT = ST_LONG_WAIT
+WRITER_CLOSED = ST_WRITER_CLOSED
+WRITER_DIED = ST_WRITER_DIED
+READER_DIED = ST_READER_DIED
+
 cdef int64_t PARK_SLICE_NS = 100_000_000     # safety-net re-check while parked
 cdef int64_t SPIN_SLICE_NS = 20_000_000      # GIL/signal check while spinning
+cdef int64_t PEER_CHECK_NS = 200_000_000     # how often a wait reads /proc for peers
+
+cdef int _ZMQ_NOBLOCK = 1                    # zmq.NOBLOCK (the ring never imports zmq)
 
 
 class CorruptChunkError(RuntimeError):
@@ -124,13 +141,17 @@ def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     return stride, meta_off, data_off, total
 
 
-cdef class Ring:
-    """One end (writer or one reader) of a ring in a mapped Segment.
+cdef class RingEnd:
+    """One process's end of a ring in a mapped Segment: the writer's end
+    (``reader_rank == -1``) or one reader's.
 
-    ``hooks`` is a Python object consulted only off the hot path:
-    ``park_zmq(timeout_ms)`` / ``notify_zmq()`` for the ZMQ wait mode,
-    ``long_wait(elapsed_s, writer, idx)`` at every warning interval and
-    ``check_peers(writer, idx)`` at every park slice.
+    The end never calls up into the queue layer.  A wait returns a status
+    (``READY``, ``LONG_WAIT``, ``WRITER_CLOSED``, ``WRITER_DIED``,
+    ``READER_DIED``) that the caller acts on: it logs a long wait and calls
+    ``continue_wait()``, or raises for a gone peer.  Timeouts raise
+    ``TimeoutError`` and ``cancel()`` raises ``RuntimeError("cancelled")``
+    in the waiting thread.  In the ZMQ wait mode the end also holds the
+    wakeup sockets (``use_zmq_wakeup``); it only polls and sends on them.
     """
 
     def __cinit__(self):
@@ -139,6 +160,7 @@ cdef class Ring:
         self.reader_rank = -1
         self.current_idx = 0
         self.warn_interval = 60.0
+        self.dead_rank = -1
 
     def __dealloc__(self):
         free(self.reserved)
@@ -169,7 +191,7 @@ cdef class Ring:
         _u32(b, H_WRITER_STATE)[0] = 1
         # The magic goes last, released: an attacher that sees it sees the rest.
         fmq_store_u64_rel(_u64(b, H_MAGIC), MAGIC)
-        cdef Ring self = Ring.__new__(Ring)
+        cdef RingEnd self = RingEnd.__new__(RingEnd)
         self._bind(seg, -1)
         return self
 
@@ -206,7 +228,7 @@ cdef class Ring:
         mode = _u32(b, H_WAIT_MODE)[0]
         if mode > WAIT_ZMQ:
             raise SegmentMismatchError("fastmq ring %r has unknown wait mode %d" % (seg.name, mode))
-        cdef Ring self = Ring.__new__(Ring)
+        cdef RingEnd self = RingEnd.__new__(RingEnd)
         self._bind(seg, reader_rank)
         return self
 
@@ -227,14 +249,13 @@ cdef class Ring:
         self.write_seq = _u32(b, H_WRITE_SEQ)
         self.writer_parked = _u32(b, H_WRITER_PARKED)
         self.reader_rank = reader_rank
-        if reader_rank < 0:
+        self.is_writer = reader_rank < 0
+        if self.is_writer:
             # Bytes of each chunk already reserved in /dev/shm (writer only).
             self.reserved = <Py_ssize_t *>calloc(self.max_chunks, sizeof(Py_ssize_t))
             if self.reserved == NULL:
                 raise MemoryError()
         self.data_view = memoryview(seg)
-        import pickle
-        self.loads = pickle.loads
 
     # -- small accessors -------------------------------------------------
     cdef inline uint8_t *meta(self, int idx) nogil:
@@ -260,12 +281,17 @@ cdef class Ring:
                 return False
         return True
 
+    cdef inline bint turn(self, int idx) nogil:
+        # This end's turn on chunk idx: free to write (the writer's end) or
+        # published and unread (a reader's end).
+        return self.writable(idx) if self.is_writer else self.readable(idx)
+
     # -- waiting ---------------------------------------------------------
-    cdef int spin_until(self, int idx, bint writer, int64_t until_ns) nogil:
+    cdef int spin_until(self, int idx, int64_t until_ns) nogil:
         """1: ready, 0: ``until_ns`` passed, -1: cancelled."""
         cdef unsigned int i = 0
         while True:
-            if (self.writable(idx) if writer else self.readable(idx)):
+            if self.turn(idx):
                 return 1
             i += 1
             if (i & 63) == 0:
@@ -279,45 +305,70 @@ cdef class Ring:
             else:
                 fmq_cpu_relax()
 
-    cdef int park_futex(self, int idx, bint writer, int64_t timeout_ns) nogil:
-        cdef uint32_t *counter = self.writer_parked if writer else self.readers_parked
-        cdef uint32_t *word = self.write_seq if writer else self.read_seq
+    cdef int park_futex(self, int idx, int64_t timeout_ns) nogil:
+        cdef uint32_t *counter = self.writer_parked if self.is_writer else self.readers_parked
+        cdef uint32_t *word = self.write_seq if self.is_writer else self.read_seq
         cdef uint32_t seq
         cdef bint ready
         fmq_add_u32_seq(counter, 1)
         fmq_fence_seq()
         seq = fmq_load_u32_acq(word)
-        ready = self.writable(idx) if writer else self.readable(idx)
+        ready = self.turn(idx)
         if not ready and not fmq_load_u32_acq(&self.cancelled):
             fmq_futex_wait(word, seq, timeout_ns)
-            ready = self.writable(idx) if writer else self.readable(idx)
+            ready = self.turn(idx)
         fmq_sub_u32_seq(counter, 1)
         return 1 if ready else 0
 
-    cdef int park_zmq(self, int idx, bint writer, int64_t timeout_ns) except -1:
-        # Same registration handshake as park_futex; the sleep is a poll on
-        # the notify/cancel sockets owned by the Python layer.
+    cdef int park_zmq(self, int idx, int64_t timeout_ns) except -1:
+        # A reader's park in ZMQ mode: the same registration handshake as
+        # park_futex; the sleep is a poll on the notify socket (and the
+        # cancel socket that shutdown() sends on).
         cdef bint ready
         fmq_add_u32_seq(self.readers_parked, 1)
         fmq_fence_seq()
         try:
             ready = self.readable(idx)
             if not ready and not fmq_load_u32_acq(&self.cancelled):
-                self.hooks.park_zmq(max(1, timeout_ns // 1000000))
+                events = self.zmq_poller.poll(timeout=max(1, timeout_ns // 1000000))
+                for sock, _ in events:
+                    if sock is self.zmq_notify:
+                        self.zmq_notify.recv(_ZMQ_NOBLOCK, copy=False)
                 ready = self.readable(idx)
         finally:
             fmq_sub_u32_seq(self.readers_parked, 1)
         return 1 if ready else 0
 
-    cdef int wait(self, int idx, bint writer, object timeout, bint warn) except -1:
-        """Block until chunk ``idx`` is writable (writer) or readable (reader).
+    def use_zmq_wakeup(self, notify, poller=None):
+        """ZMQ wait mode: the writer's end sends a wakeup on ``notify`` (an
+        XPUB) while a reader is parked; a reader's end parks by polling
+        ``poller`` (its ``notify`` SUB and a cancel socket)."""
+        if self.wait_mode != WAIT_ZMQ:
+            raise ValueError("this ring does not use the ZMQ wait mode")
+        if not self.is_writer and poller is None:
+            raise ValueError("a reader's end parks on a poller")
+        self.zmq_notify = notify
+        self.zmq_poller = poller
 
-        A cancelled end raises at once, even when data is ready: shutdown()
-        must stop a busy reader too, not only an idle one."""
+    def wait_next(self, timeout=None):
+        """Wait for this end's turn on its next chunk: free (the writer's
+        end) or published (a reader's end).
+
+        Returns ``READY``, or a status the caller acts on: ``LONG_WAIT``
+        (another ``warn_interval`` passed; call ``continue_wait()`` to go
+        on with the same deadline), ``WRITER_CLOSED`` / ``WRITER_DIED``
+        (a reader's end: nothing more will come) or ``READER_DIED`` (the
+        writer's end: ``dead_rank`` / ``dead_pid`` name a reader that died
+        without reading the chunk).  Raises ``TimeoutError`` after
+        ``timeout`` seconds and ``RuntimeError("cancelled")`` once this end
+        is cancelled -- at once, even when the chunk is ready: shutdown()
+        stops a busy end too, not only an idle one."""
+        self._check_open()
         if fmq_load_u32_acq(&self.cancelled):
             raise RuntimeError("cancelled")
-        if (self.writable(idx) if writer else self.readable(idx)):
-            return 0
+        cdef int idx = self.current_idx
+        if self.turn(idx):
+            return ST_READY
         cdef int64_t start = fmq_now_ns()
         cdef int64_t deadline = INT64_MAX
         cdef double t_s
@@ -327,61 +378,157 @@ cdef class Ring:
             # overflow into the past).
             if t_s < 9.0e9:
                 deadline = start + <int64_t>(max(t_s, 0.0) * 1e9)
-        cdef int64_t warn_ns = (<int64_t>(self.warn_interval * 1e9)
-                                if 0 < self.warn_interval < 9.0e9 else 0)
-        cdef int64_t next_warn = start + warn_ns if (warn and warn_ns > 0) else INT64_MAX
+        self.w_start = start
+        self.w_deadline = deadline
+        self.w_warn_ns = (<int64_t>(self.warn_interval * 1e9)
+                          if 0 < self.warn_interval < 9.0e9 else 0)
+        self.w_next_warn = start + self.w_warn_ns if self.w_warn_ns > 0 else INT64_MAX
+        self.w_active = True
+        return self.wait_loop()
+
+    def continue_wait(self):
+        """Go on with the wait that returned ``LONG_WAIT``."""
+        self._check_open()
+        if not self.w_active:
+            raise RuntimeError("fastmq ring: continue_wait() without a wait in progress")
+        return self.wait_loop()
+
+    @property
+    def waited(self):
+        """Seconds the current (or last) slow wait has lasted."""
+        return (fmq_now_ns() - self.w_start) / 1e9
+
+    cdef int wait_loop(self) except -1:
+        # A wait in progress ends (w_active = False) with anything but
+        # LONG_WAIT: ready, a gone peer, a timeout or a cancel.
+        cdef int status
+        try:
+            status = self.spin_then_park()
+        except BaseException:
+            self.w_active = False
+            raise
+        if status != ST_LONG_WAIT:
+            self.w_active = False
+        return status
+
+    cdef int spin_then_park(self) except -1:
+        cdef int idx = self.current_idx
         cdef int mode = self.wait_mode
         cdef int64_t spin_end = (INT64_MAX if mode == WAIT_SPIN or self.spin_ns > 10**15
-                                 else start + self.spin_ns)
+                                 else self.w_start + self.spin_ns)
         cdef int64_t now, until
-        cdef int r
+        cdef int r, status
         # A ZMQ-mode writer has no socket to park on: it spins with yields.
-        if writer and mode == WAIT_ZMQ:
+        if self.is_writer and mode == WAIT_ZMQ:
             spin_end = INT64_MAX
         while True:
             now = fmq_now_ns()
             if now >= spin_end:
                 break
-            until = min(spin_end, deadline, next_warn, now + SPIN_SLICE_NS)
+            until = min(spin_end, self.w_deadline, self.w_next_warn, now + SPIN_SLICE_NS)
             with nogil:
-                r = self.spin_until(idx, writer, until)
+                r = self.spin_until(idx, until)
             if r == 1:
-                return 0
+                return ST_READY
             if r < 0:
                 raise RuntimeError("cancelled")
-            self._slice(start, deadline, &next_warn, warn_ns, writer, idx)
+            status = self.between_slices(idx)
+            if status != ST_READY:
+                return status
         while True:
             now = fmq_now_ns()
-            until = min(deadline, next_warn, now + self.park_slice_ns)
+            until = min(self.w_deadline, self.w_next_warn, now + self.park_slice_ns)
             if mode == WAIT_FUTEX:
                 with nogil:
-                    r = self.park_futex(idx, writer, until - now)
+                    r = self.park_futex(idx, until - now)
             else:
-                r = self.park_zmq(idx, writer, until - now)
+                r = self.park_zmq(idx, until - now)
             if r == 1:
-                return 0
+                return ST_READY
             if fmq_load_u32_acq(&self.cancelled):
                 raise RuntimeError("cancelled")
-            self._slice(start, deadline, &next_warn, warn_ns, writer, idx)
+            status = self.between_slices(idx)
+            if status != ST_READY:
+                return status
 
-    cdef int _slice(self, int64_t start, int64_t deadline, int64_t *next_warn,
-                    int64_t warn_ns, bint writer, int idx) except -1:
-        """Between spin slices and park slices: signals, peers, timeout, logs.
+    cdef int between_slices(self, int idx) except -1:
+        """Between spin slices and park slices: signals, peers, timeout, the
+        long-wait clock.  ``ST_READY`` means: keep waiting.
 
         Peers come before the timeout: a caller that polls with short
         timeouts must still learn that the writer closed the queue or died
         (the peer check is throttled, so this costs a clock read)."""
         PyErr_CheckSignals()
-        if self.hooks is not None:
-            self.hooks.check_peers(writer, idx)
+        cdef int status = self.check_peers(idx)
+        if status != ST_READY:
+            return status
         cdef int64_t now = fmq_now_ns()
-        if now >= deadline:
+        if now >= self.w_deadline:
             raise TimeoutError
-        if now >= next_warn[0]:
-            next_warn[0] += warn_ns
-            if self.hooks is not None:
-                self.hooks.long_wait((now - start) / 1e9, writer, idx)
-        return 0
+        if now >= self.w_next_warn:
+            self.w_next_warn += self.w_warn_ns
+            return ST_LONG_WAIT
+        return ST_READY
+
+    cdef int check_peers(self, int idx) except -1:
+        # The writer's closed flag is one acquire load: checked every slice.
+        # Process liveness reads /proc: at most every PEER_CHECK_NS.
+        if not self.is_writer and self.closed_by_writer() and not self.readable(idx):
+            return ST_WRITER_CLOSED
+        cdef int64_t now = fmq_now_ns()
+        if now < self.next_peer_check:
+            return ST_READY
+        self.next_peer_check = now + PEER_CHECK_NS
+        if self.is_writer:
+            return ST_READER_DIED if self.find_dead_reader(idx) else ST_READY
+        cdef int state = self.writer_state()
+        # The chunk is re-checked after the writer's state was loaded: a
+        # message published just before it closed or died is still read.
+        if state != ST_READY and not self.readable(idx):
+            return state
+        return ST_READY
+
+    cdef bint find_dead_reader(self, int idx) except -1:
+        # Sets dead_rank / dead_pid to the first dead reader among those that
+        # have not read chunk idx, or among all attached readers (idx < 0).
+        cdef uint8_t *m = NULL
+        cdef char *slot
+        cdef uint32_t pid
+        cdef int r
+        if idx >= 0:
+            m = self.meta(idx)
+            if fmq_load_u8_acq(m) == 0:
+                return False
+        for r in range(self.n_reader):
+            if m != NULL and fmq_load_u8_acq(m + 1 + r) != 0:
+                continue
+            slot = self.base + H_READER_SLOTS + READER_SLOT * r
+            pid = fmq_load_u32_acq(<uint32_t *>slot)
+            if pid and not _process_alive(pid, (<uint64_t *>(slot + 8))[0]):
+                self.dead_rank = r
+                self.dead_pid = pid
+                return True
+        return False
+
+    cdef inline bint closed_by_writer(self) noexcept:
+        return fmq_load_u32_acq(_u32(self.base, H_WRITER_STATE)) == 2
+
+    cdef int writer_state(self) except -1:
+        if self.closed_by_writer():
+            return ST_WRITER_CLOSED
+        if not _process_alive(self.writer_pid, self.writer_start):
+            return ST_WRITER_DIED
+        return ST_READY
+
+    def peer_status(self):
+        """For waits outside the ring (a socket, a flush): a reader's end
+        returns ``WRITER_CLOSED`` or ``WRITER_DIED`` when the writer is
+        gone; the writer's end returns ``READER_DIED`` when an attached
+        reader is dead (``dead_rank`` / ``dead_pid``).  Else ``READY``."""
+        self._check_open()
+        if self.is_writer:
+            return ST_READER_DIED if self.find_dead_reader(-1) else ST_READY
+        return self.writer_state()
 
     def cancel(self):
         """Wake this end's waits with RuntimeError('cancelled'). Thread-safe."""
@@ -416,14 +563,13 @@ cdef class Ring:
             self.wakeups += 1
             if self.wait_mode == WAIT_ZMQ:
                 try:
-                    self.hooks.notify_zmq()
+                    self.zmq_notify.send(b"\x00")
                 except Exception as e:
                     # Already published: a failed notify must not fail the
-                    # send (a parked reader re-checks within a park slice),
-                    # but it is counted and kept for the Python layer to log.
+                    # send (a parked reader re-checks within a park slice).
+                    # Counted, and kept as text for the caller to log: the
+                    # exception's traceback would keep frames alive.
                     self.notify_errors += 1
-                    # Text, not the exception: its traceback would keep
-                    # the queue's frames (and mapping) alive.
                     self.last_notify_error = repr(e)
             else:
                 fmq_add_u32_seq(self.read_seq, 1)
@@ -435,21 +581,36 @@ cdef class Ring:
             raise RuntimeError("fastmq ring is closed")
         return 0
 
-    def acquire_write(self, timeout=None):
-        """Wait for the next chunk and return its index (written flag cleared).
-        The caller may write anywhere in the chunk: all of it is reserved."""
+    cdef inline int _check_turn(self, int idx) except -1:
+        # Every write and read is preceded by wait_next(); this guards the
+        # shared memory against a caller that skipped it.
+        if not self.turn(idx):
+            raise RuntimeError("fastmq ring: chunk %d is not this end's to %s; wait_next() "
+                               "first" % (idx, "write" if self.is_writer else "read"))
+        return 0
+
+    cdef inline int _check_writer(self) except -1:
         self._check_open()
+        if not self.is_writer:
+            raise RuntimeError("only the writer's end of a ring writes")
+        return 0
+
+    cdef inline int _check_reader(self) except -1:
+        self._check_open()
+        if self.is_writer:
+            raise RuntimeError("only a reader's end of a ring reads")
+        return 0
+
+    def begin_write(self):
+        """Take the next chunk for writing in place and return its index
+        (its written flag cleared).  All of it is reserved, so the caller may
+        write anywhere in it; ``publish_chunk(idx)`` publishes it."""
+        self._check_writer()
         cdef int idx = self.current_idx
-        self.wait(idx, True, timeout, True)
+        self._check_turn(idx)
         self.reserve_chunk(idx, self.max_chunk_bytes)
         fmq_store_u8_rel(self.meta(idx), 0)
         return idx
-
-    def wait_writable(self, timeout=None):
-        """Wait until the next chunk is free, changing nothing: the next
-        ``send`` or ``send_overflow_mark`` then does not wait."""
-        self._check_open()
-        self.wait(self.current_idx, True, timeout, True)
 
     cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1:
         # Steady state: one comparison.  A chunk's reservation only grows,
@@ -469,17 +630,17 @@ cdef class Ring:
         return 0
 
     def publish_chunk(self, int idx):
-        self._check_open()
-        self._check_idx(idx)
-        if self.reader_rank >= 0:
-            raise RuntimeError("only the writer end publishes chunks")
+        self._check_writer()
+        if idx != self.current_idx:
+            raise RuntimeError("fastmq ring: chunk %d is not the one being written (%d)"
+                               % (idx, self.current_idx))
         self.publish(idx)
 
     def reserve_next(self, Py_ssize_t nbytes):
         """Reserve the next chunk's first ``nbytes`` (capped at the chunk)
         now, so that a later ``send``/``send_overflow_mark`` into it cannot
         fail for lack of /dev/shm (``ShmFullError`` here instead)."""
-        self._check_open()
+        self._check_writer()
         self.reserve_chunk(self.current_idx, min(max(nbytes, MARK_BYTES), self.max_chunk_bytes))
 
     def framed_size(self, list buffers):
@@ -489,15 +650,16 @@ cdef class Ring:
             total = _align(total, 8) + memoryview(b).nbytes
         return total
 
-    def send(self, list buffers, timeout=None):
-        """Frame ``buffers`` into the next chunk and publish it.
+    def send(self, list buffers):
+        """Frame ``buffers`` into the next chunk (``wait_next()`` returned
+        ``READY`` for it) and publish it.
 
         Returns the framed size, or 0, touching nothing, when the framed
         message does not fit a chunk (the caller then takes the overflow
         path).  ``ShmFullError`` when /dev/shm cannot back the chunk's
         pages: nothing is published and the ring stays usable.
         """
-        self._check_open()
+        self._check_writer()
         cdef Py_ssize_t n = len(buffers)
         cdef Py_ssize_t i, total
         cdef Py_buffer *views = <Py_buffer *>malloc(sizeof(Py_buffer) * (n if n > 0 else 1))
@@ -516,7 +678,7 @@ cdef class Ring:
             if total > self.max_chunk_bytes:
                 return 0
             idx = self.current_idx
-            self.wait(idx, True, timeout, True)
+            self._check_turn(idx)
             self.reserve_chunk(idx, total)
             c = self.chunk(idx)
             with nogil:
@@ -536,11 +698,12 @@ cdef class Ring:
                 PyBuffer_Release(&views[i])
             free(views)
 
-    def send_overflow_mark(self, uint64_t msg_id, timeout=None):
-        """Publish a chunk that says: message ``msg_id`` is on the socket."""
-        self._check_open()
+    def send_overflow_mark(self, uint64_t msg_id):
+        """Publish, in the next chunk (``wait_next()`` returned ``READY``
+        for it), a mark that says: message ``msg_id`` is on the socket."""
+        self._check_writer()
         cdef int idx = self.current_idx
-        self.wait(idx, True, timeout, True)
+        self._check_turn(idx)
         self.reserve_chunk(idx, MARK_BYTES)
         fmq_store_u8_rel(self.meta(idx), 0)
         cdef char *c = self.chunk(idx)
@@ -571,19 +734,12 @@ cdef class Ring:
             fmq_futex_wake_all(self.write_seq)
         return 0
 
-    def acquire_read(self, timeout=None, bint indefinite=False):
-        """Wait for this reader's next chunk and return its index."""
-        self._check_open()
-        cdef int idx = self.current_idx
-        self.wait(idx, False, timeout, not indefinite)
-        return idx
-
     def release_read(self, int idx):
-        """Mark chunk ``idx`` read by this reader."""
-        self._check_open()
-        self._check_idx(idx)
-        if self.reader_rank < 0:
-            raise RuntimeError("only a reader end marks chunks read")
+        """Mark chunk ``idx`` (this end's current one) read by this reader."""
+        self._check_reader()
+        if idx != self.current_idx:
+            raise RuntimeError("fastmq ring: chunk %d is not the one being read (%d)"
+                               % (idx, self.current_idx))
         self.release_chunk(idx)
 
     def chunk_view(self, int idx):
@@ -593,8 +749,21 @@ cdef class Ring:
         cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes
         return self.data_view[s:s + self.max_chunk_bytes]
 
-    cdef object _decode(self, int idx):
-        # recv()'s path: a C call, ``idx`` is this end's own current chunk.
+    def read_frames(self):
+        """The frames of the message in this reader's current chunk
+        (``wait_next()`` returned ``READY`` for it): ``(stream, oob)``, a
+        memoryview of the pickle stream inside the chunk and the
+        out-of-band buffers copied out (a chunk is reused; a tensor over
+        its buffer may live on).  ``None`` for an overflow mark: then
+        ``overflow_id`` names the socket message that carries the payload.
+
+        The chunk stays unread until ``release_read(current_idx)``: the
+        caller releases it once it has decoded the stream (or, for a mark,
+        received the payload), also when that fails.  Every length is
+        validated before any payload byte is touched."""
+        self._check_reader()
+        cdef int idx = self.current_idx
+        self._check_turn(idx)
         cdef char *c = self.chunk(idx)
         cdef uint8_t overflow = (<uint8_t *>c)[0]
         if overflow == 1:
@@ -642,32 +811,6 @@ cdef class Ring:
         cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes + start0
         return self.data_view[s:s + len0], oob
 
-    def recv(self, timeout=None, bint indefinite=False):
-        """Wait, decode and unpickle the next message; mark it read even if
-        decoding raises.  Returns the object, or the ``OVERFLOW`` sentinel:
-        then ``overflow_id`` names the socket message that carries it, and
-        the chunk stays unread until ``release_read(current_idx)`` (so that
-        a caller that gives up waiting for the payload consumed nothing)."""
-        self._check_open()
-        cdef int idx = self.current_idx
-        self.wait(idx, False, timeout, not indefinite)
-        cdef bint release = True
-        try:
-            frames = self._decode(idx)
-            if frames is None:
-                release = False
-                return OVERFLOW
-            stream, oob = frames
-            try:
-                if oob and self.oob_hook is not None:
-                    oob = self.oob_hook(oob)
-                return self.loads(stream, buffers=oob)
-            finally:
-                stream.release()
-        finally:
-            if release:
-                self.release_chunk(idx)
-
     # -- peers (header fields other modules read) --------------------------
     @property
     def writer_pid(self):
@@ -681,12 +824,12 @@ cdef class Ring:
     def writer_closed(self):
         return fmq_load_u32_acq(_u32(self.base, H_WRITER_STATE)) == 2
 
-    def claim_reader(self, uint32_t pid, uint64_t start, is_alive):
+    def claim_reader(self, uint32_t pid, uint64_t start):
         """Take this end's reader slot for process ``pid``.
 
         Returns 0, or the pid of another live process that holds the slot
-        (then nothing changed).  ``is_alive(pid, start)`` decides whether a
-        holder left by a dead process may be replaced.  The pid word is
+        (then nothing changed); a holder left by a dead process is
+        replaced.  The pid word is
         swapped atomically, so two processes claiming one rank at the same
         time cannot both win."""
         self._check_open()
@@ -697,7 +840,7 @@ cdef class Ring:
         cdef uint32_t held
         while True:
             held = fmq_load_u32_acq(word)
-            if held != 0 and held != pid and is_alive(held, (<uint64_t *>(slot + 8))[0]):
+            if held != 0 and held != pid and _process_alive(held, (<uint64_t *>(slot + 8))[0]):
                 return held
             if fmq_cas_u32(word, held, pid):
                 break
@@ -733,18 +876,6 @@ cdef class Ring:
             return []
         return [r for r in range(self.n_reader) if fmq_load_u8_acq(m + 1 + r) == 0]
 
-    def ready(self, int idx, bint writer):
-        """Whether chunk ``idx`` is writable (``writer``) or readable by this
-        reader now, with the wait loop's acquire loads.  The peer check
-        calls it after seeing the writer gone, so that a message published
-        just before the writer closed or died is still delivered."""
-        self._check_open()
-        if not (0 <= idx < self.max_chunks):
-            raise IndexError("chunk index %d out of range" % idx)
-        if not writer and self.reader_rank < 0:
-            raise ValueError("the writer's end of a ring has no read flag")
-        return self.writable(idx) if writer else self.readable(idx)
-
     @property
     def overflow_latest(self):
         """Id of the newest overflow mark the writer published (0: none)."""
@@ -773,16 +904,6 @@ cdef class Ring:
             self.data_view.release()
             self.data_view = None
         self.base = NULL
-
-
-class _Overflow:
-    __slots__ = ()
-
-    def __repr__(self):
-        return "OVERFLOW"
-
-
-OVERFLOW = _Overflow()
 
 
 # -- read-only inspection (fastmq ls, fastmq cleanup) ------------------------

@@ -168,5 +168,11 @@ class Encoder:
         return buffers
 
 
-def decode(stream: Any, oob: list) -> Any:
+def decode(stream: Any, oob: list, arena: Any = None) -> Any:
+    """The object a message's frames carry: ``stream`` is the pickle stream
+    (a view into a ring chunk, or a socket frame) and ``oob`` its
+    out-of-band buffers, some of which may be descriptors of ``arena``
+    slots (a reader's end, which maps them to views of the slots)."""
+    if oob and arena is not None:
+        oob = arena.map_oob(oob)
     return pickle.loads(stream, buffers=oob)

@@ -69,7 +69,7 @@ def _segment_alive(path: str, name_pid: int) -> bool:
     if creator is None:
         return _proc.is_alive(name_pid)
     pid, started = creator
-    # The header pid is the creator's (Ring.create runs in the process that
+    # The header pid is the creator's (RingEnd.create runs in the process that
     # named the segment); a disagreeing name keeps the file if it is alive.
     return _proc.is_alive(pid, started) or (pid != name_pid and _proc.is_alive(name_pid))
 

@@ -1,4 +1,5 @@
-"""Shared-memory segments: naming, space checks, and ``ShmRingBuffer``.
+"""Shared-memory segments: naming, space checks, and the files this
+process must remove when it exits.
 
 How `/dev/shm` is budgeted and reserved: docs/operations.md.
 
@@ -12,12 +13,7 @@ import atexit
 import os
 import secrets
 import shutil
-import weakref
-from contextlib import contextmanager
-from typing import Iterator
 
-from fastmq import _config, _proc
-from fastmq._ring import Ring
 from fastmq._shm import Segment
 
 SHM_PATH = "/dev/shm"
@@ -89,46 +85,6 @@ def _remove_leftovers() -> None:
                 pass
 
 
-# Every ring end open in this process (weak; an end leaves on close), so
-# that a queue that fails can say which other process sharing this
-# process's queues is gone (``dead_peers_note``).
-_open_rings: "weakref.WeakSet[ShmRingBuffer]" = weakref.WeakSet()
-
-
-def dead_peers() -> dict[int, list[str]]:
-    """``{pid: [role, ...]}`` of the processes this process shares a ring
-    with that are no longer running: readers of the rings it writes, and
-    writers that neither closed their ring nor are alive."""
-    out: dict[int, list[str]] = {}
-    for buf in list(_open_rings):
-        ring = buf.ring
-        if ring is None or buf.closed:
-            continue
-        if ring.reader_rank < 0:
-            for r in range(ring.n_reader):
-                pid, started = ring.reader_identity(r)
-                if pid and not _proc.is_alive(pid, started):
-                    out.setdefault(pid, []).append(f"reader {r} of {buf.name}")
-        else:
-            pid = ring.writer_pid
-            if not ring.writer_closed and not _proc.is_alive(pid, ring.writer_start):
-                out.setdefault(pid, []).append(f"writer of {buf.name}")
-    return out
-
-
-def dead_peers_note() -> str:
-    """``"; ..."`` naming the processes ``dead_peers`` finds, or ``""``.
-
-    A queue whose writer shut it down cannot tell why; in vLLM that is
-    usually the executor reacting to another worker's death, and the
-    worker to name is that one."""
-    gone = dead_peers()
-    if not gone:
-        return ""
-    return "; a process sharing queues with this one is gone: " + ", ".join(
-        f"pid {pid} ({', '.join(roles)})" for pid, roles in sorted(gone.items()))
-
-
 def forget_segment(name: str) -> None:
     _owned_segments.pop(name, None)
 
@@ -142,120 +98,3 @@ def create_segment(kind: str, size: int, what: str) -> Segment:
     seg = Segment.create(new_segment_name(kind), size)
     _owned_segments[seg.name] = os.getpid()
     return seg
-
-
-class ShmRingBuffer:
-    """The ring segment of a ``MessageQueue`` (vLLM-compatible surface).
-
-    ``ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)`` creates a ring;
-    passing ``name`` attaches to an existing one (pickling an instance does
-    exactly that on the other side).  A name that no longer exists is
-    tolerated, as in vLLM, because handles are also unpickled on other nodes
-    where the segment is never used; such an instance has no ``ring``.
-    """
-
-    def __init__(
-        self,
-        n_reader: int,
-        max_chunk_bytes: int,
-        max_chunks: int,
-        name: str | None = None,
-        *,
-        wait_mode: str | None = None,
-        spin_us: float | None = None,
-    ):
-        from fastmq._ring import layout
-
-        self.n_reader = n_reader
-        self.max_chunk_bytes = max_chunk_bytes
-        self.max_chunks = max_chunks
-        self.metadata_size = 1 + n_reader
-        self.total_bytes_of_buffer = layout(n_reader, max_chunk_bytes, max_chunks)[3]
-        self.ring: Ring | None = None
-        self.segment: Segment | None = None
-        if name is None:
-            self.is_creator = True
-            seg = create_segment("ring", self.total_bytes_of_buffer,
-                                 "the message queue ring buffer")
-            try:
-                pid, started = _proc.me()
-                self.ring = Ring.create(
-                    seg, n_reader, max_chunk_bytes, max_chunks,
-                    _config.wait_mode_code(wait_mode),
-                    int(_config.spin_us(spin_us) * 1000), pid, started,
-                )
-            except BaseException:
-                forget_segment(seg.name)
-                seg.unlink()
-                seg.close()
-                raise
-            self.segment = seg
-            self._creator_pid = os.getpid()
-            _open_rings.add(self)
-        else:
-            self.is_creator = False
-            try:
-                self.segment = Segment.attach(name)
-            except FileNotFoundError:
-                # Deserialised on another node: never used there.
-                self.segment = None
-        self._name = name if name is not None else self.segment.name
-        self.closed = False
-
-    def attach_reader(self, reader_rank: int) -> Ring:
-        if self.segment is None:
-            raise FileNotFoundError(
-                f"fastmq ring segment {self._name!r} does not exist on this node "
-                "(its writer is gone, or this process is on another machine)"
-            )
-        self.ring = Ring.attach(self.segment, self.n_reader, self.max_chunk_bytes,
-                                self.max_chunks, reader_rank)
-        _open_rings.add(self)
-        return self.ring
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def handle(self) -> tuple[int, int, int, str]:
-        return (self.n_reader, self.max_chunk_bytes, self.max_chunks, self._name)
-
-    def __reduce__(self):
-        return (self.__class__, self.handle())
-
-    @contextmanager
-    def get_data(self, current_idx: int) -> Iterator[memoryview]:
-        """A view of chunk ``current_idx``'s bytes."""
-        with self._ring_any().chunk_view(current_idx) as buf:
-            yield buf
-
-    @contextmanager
-    def get_metadata(self, current_idx: int) -> Iterator[memoryview]:
-        """A view of chunk ``current_idx``'s flags: [written, read x n_reader]."""
-        with self._ring_any().meta_view(current_idx) as buf:
-            yield buf
-
-    def _ring_any(self) -> Ring:
-        if self.ring is None:
-            self.attach_reader(0)
-        return self.ring
-
-    def close(self) -> None:
-        # First: dead_peers() must never read a closed ring's header.
-        self.closed = True
-        _open_rings.discard(self)
-        if self.ring is not None:
-            self.ring.close()
-        if self.segment is not None:
-            # A forked child inherits this object but must not remove its
-            # parent's segment.
-            if self.is_creator and getattr(self, "_creator_pid", None) == os.getpid():
-                forget_segment(self.segment.name)
-                self.segment.unlink()
-            self.segment.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass

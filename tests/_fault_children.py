@@ -37,6 +37,7 @@ def writer_stall(conn, n_reader, wait_mode, messages, overflow_mark_only=False):
     for m in messages:
         mq.enqueue(m)
     if overflow_mark_only:
+        mq._ring.wait_next(None)
         mq._ring.send_overflow_mark(10**6)
     conn.send("sent")
     _sleep_forever()

@@ -160,13 +160,15 @@ def opted_out_peer(conn) -> None:
                                              and m.Handle is shm.Handle for m in execs.values())
     conn.send(out)
 
-    # A fastmq writer's handle reaches vLLM's own MessageQueue.
+    # A fastmq writer's handle reaches vLLM's own MessageQueue: an ordinary
+    # value, it attaches; the fastmq writer's handshake refuses it.
     handle = conn.recv()
     try:
-        shm.MessageQueue.create_from_handle(handle, 0)
-        conn.send(("attached", "", False))
+        foreign = shm.MessageQueue.create_from_handle(handle, 0)
+        conn.send(("attached", type(foreign.buffer).__module__))
     except Exception as e:
-        conn.send((type(e).__name__, str(e), isinstance(e, fastmq.HandleMismatchError)))
+        conn.send((type(e).__name__, str(e)))
+    conn.recv()        # the writer has refused it
 
     # vLLM's own writer; its handle goes to the fastmq process.
     writer = shm.MessageQueue(1, 1)

@@ -472,7 +472,7 @@ def test_bogus_descriptors_raise_clear_errors():
 def test_a_bad_descriptor_does_not_keep_the_other_slots_of_its_message():
     w, (r,) = _pair(slots=4, slot_mb=1)
     n = MiB // 4
-    bufs = w._encoder.encode([torch.full((n,), float(k)) for k in range(3)])
+    bufs = w._end.encoder.encode([torch.full((n,), float(k)) for k in range(3)])
     w.tensor_arena.commit()
     assert len(bufs) == 4 and all(len(b) == _arena.DESC_LEN for b in bufs[1:])
     assert _core(w).free_slots() == [3]
@@ -487,7 +487,7 @@ def test_a_bad_descriptor_does_not_keep_the_other_slots_of_its_message():
     assert r.stats()["arena_released"] == 3
     # A descriptor that does not name a slot's current publication hands
     # nothing back: that slot may be a later message's, not yet read.
-    later = w._encoder.encode(torch.full((n,), 7.0))   # slot 0, epoch 2 ...
+    later = w._end.encoder.encode(torch.full((n,), 7.0))   # slot 0, epoch 2 ...
     w.tensor_arena.commit()
     epoch = _core(w).slot_state(0)[0]
     for e in (epoch - 1, epoch + 1):                     # ... and a forged descriptor

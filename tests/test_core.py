@@ -323,3 +323,28 @@ def test_infinite_timeout_waits_instead_of_expiring():
     assert r.dequeue(timeout=float("inf")) == "late"
     threading.Timer(0.3, w.enqueue, args=(b"x" * (25 << 20),)).start()   # overflow path
     assert len(r.dequeue(timeout=1e12)) == 25 << 20
+
+
+def test_handles_are_ordinary_values():
+    """A handle converts, serialises and unpacks like any dataclass and
+    tuple; fastmq tells its ring from vLLM's by the buffer handle's type."""
+    import dataclasses
+    import json
+
+    from fastmq import HandleMismatchError
+
+    w = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2, enable_shm_tensor_arena=False)
+    h = w.export_handle()
+    assert dataclasses.asdict(h)["buffer_handle"] == h.buffer_handle
+    assert list(h.buffer_handle) == [2, 4096, 2, w.buffer.name]
+    n_reader, chunk_bytes, n_chunks, name = h.buffer_handle
+    assert (n_reader, chunk_bytes, n_chunks, name) == (2, 4096, 2, w.buffer.name)
+    assert json.loads(json.dumps(h.buffer_handle)) == list(h.buffer_handle)
+    assert pickle.loads(pickle.dumps(h)) == h
+    # A plain tuple is what vLLM's own queue puts there.
+    foreign = dataclasses.replace(h, buffer_handle=tuple(h.buffer_handle))
+    with pytest.raises(HandleMismatchError, match="created by vLLM's own MessageQueue"):
+        MessageQueue.create_from_handle(foreign, 0)
+    r = MessageQueue.create_from_handle(pickle.loads(pickle.dumps(h)), 1)   # still usable
+    del r
+    w.shutdown()

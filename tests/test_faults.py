@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from fastmq import MessageQueue
+from fastmq._ring import READY, WRITER_CLOSED, WRITER_DIED
 
 import _fault_children as children
 
@@ -164,11 +165,11 @@ def test_reader_removes_the_files_of_a_killed_writer(procs, spawn_ctx):
     while _alive_not_zombie(p.pid):
         time.sleep(0.01)
     assert _files_of(p.pid) == left           # a SIGKILLed process removes nothing
-    # What a waiting reader's peer check calls when it finds the writer gone.
-    hooks = reader._ring.hooks
-    assert f"writer (pid {p.pid}) died" in hooks.writer_gone()
+    # What a waiting reader does when its ring says the writer died.
+    assert reader._ring.peer_status() == WRITER_DIED
+    assert f"writer (pid {p.pid}) died" in str(reader._end._writer_gone_error())
     assert _files_of(p.pid) == []
-    del reader, hooks
+    del reader
     p.join(10)
 
 
@@ -252,14 +253,15 @@ def test_peer_check_delivers_message_published_before_writer_left():
     re-reads the chunk after loading the writer's state)."""
     writer = MessageQueue(1, 1, max_chunks=2, max_chunk_bytes=4096)
     (reader,) = _connect(writer, [0])
-    hooks = reader._ring.hooks
+    ring = reader._ring
     writer.enqueue("last words")
     writer.shutdown()
-    hooks.check_peers(False, reader.current_idx)      # ready: no error
+    assert ring.peer_status() == WRITER_CLOSED
+    assert ring.wait_next(5) == READY                 # published before: no status
     assert reader.dequeue(timeout=5) == "last words"
-    hooks._next_peer_check = 0.0
+    assert ring.wait_next(5) == WRITER_CLOSED
     with pytest.raises(RuntimeError, match="shut the queue down"):
-        hooks.check_peers(False, reader.current_idx)
+        reader.dequeue(timeout=5)
 
 
 # -- long-wait log -----------------------------------------------------------

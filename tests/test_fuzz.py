@@ -163,7 +163,7 @@ def arena_case(fz: Fuzzer, writer: MessageQueue):
     with random bytes in its slot descriptor (an out-of-band entry); and
     the intact message, sent next (it also hands the slot back)."""
     arr = np.frombuffer(fz.safe_bytes(fz.rng.randrange(16 << 10, 64 << 10)), dtype=np.uint8)
-    bufs = writer._encoder.encode({"a": arr})
+    bufs = writer._end.encoder.encode({"a": arr})
     writer.tensor_arena.commit()          # as enqueue() does once it is sent
     assert len(bufs) == 2 and len(bufs[1]) == 48, "the array did not go to the arena"
     desc = bytearray(bufs[1])

@@ -89,7 +89,7 @@ def test_local_rank_attached_twice_names_the_other_pid(procs, spawn_ctx):
 def test_failed_zmq_notify_is_counted_and_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="fastmq")
     w, (r,) = local_pair(1, max_chunk_bytes=4096, max_chunks=4, wait_mode="zmq", spin_us=0)
-    w._notify_socket.close(linger=0)      # every notify now fails
+    w._end.notify_socket.close(linger=0)      # every notify now fails
     got = []
     for i in range(3):
         t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=10)))

@@ -9,7 +9,7 @@ import pytest
 
 from fastmq import MessageQueue
 from fastmq._arena import Arena, ArenaError
-from fastmq._ring import Ring, SegmentMismatchError
+from fastmq._ring import RingEnd, SegmentMismatchError
 from fastmq._shm import Segment
 
 VERSION_OFFSET = 8   # every fastmq segment header: u64 magic, then u32 version
@@ -37,14 +37,14 @@ def test_ring_attach_refuses_a_foreign_segment_and_another_version():
     seg = Segment.attach(name)
     old = _poke_u32(name, VERSION_OFFSET, 99)
     with pytest.raises(SegmentMismatchError, match="layout version 99"):
-        Ring.attach(seg, n_reader, chunk_bytes, n_chunks, 0)
+        RingEnd.attach(seg, n_reader, chunk_bytes, n_chunks, 0)
     _poke_u32(name, VERSION_OFFSET, old)
-    Ring.attach(seg, n_reader, chunk_bytes, n_chunks, 0)   # intact again: attaches
+    RingEnd.attach(seg, n_reader, chunk_bytes, n_chunks, 0)   # intact again: attaches
 
     arena = queue.tensor_arena
     foreign = Segment.attach(arena.name)   # a real segment, but an arena's
     with pytest.raises(SegmentMismatchError, match="not a fastmq ring"):
-        Ring.attach(foreign, n_reader, chunk_bytes, n_chunks, 0)
+        RingEnd.attach(foreign, n_reader, chunk_bytes, n_chunks, 0)
 
 
 def test_arena_attach_refuses_a_foreign_segment_and_another_version():

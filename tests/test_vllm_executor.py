@@ -104,7 +104,7 @@ def test_fastmq_is_active_in_the_engine_and_both_workers(fastmq_run):
     assert r["response_queues"] == ["fastmq.queue", "fastmq.queue"]
     for w in r["workers"]:
         assert w["fastmq_active"] is True
-        assert w["shm_classes"] == ["fastmq.queue", "fastmq.queue"]
+        assert w["shm_classes"] == ["fastmq.queue", "fastmq.handle"]
         assert w["queues"] == ["fastmq.queue", "fastmq.queue"]
     lines = active_lines(output)
     pids = {r["engine_pid"]} | {w["pid"] for w in r["workers"]}

@@ -37,7 +37,7 @@ SHM = children.SHM
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 PTH = os.path.join(ROOT, "fastmq", "vllm", "fastmq-vllm.pth")
-FASTMQ = {"MessageQueue": "fastmq.queue", "Handle": "fastmq.queue"}
+FASTMQ = {"MessageQueue": "fastmq.queue", "Handle": "fastmq.handle"}
 VLLM = {"MessageQueue": SHM, "Handle": SHM}
 ACTIVE_LINE = "fastmq is active in vLLM"
 SPAWN = mp.get_context("spawn")
@@ -252,7 +252,9 @@ def test_opt_out_leaves_vllm_untouched_and_mixed_handles_fail_at_attach(
         procs, monkeypatch, active):
     """A process with FASTMQ_VLLM=0 keeps vLLM's classes (hook, plugin and
     patch() all stand aside).  A fastmq handle given to its vLLM queue, and
-    its vLLM handle given to fastmq, fail at attach naming both sides."""
+    its vLLM handle given to fastmq, fail naming both sides: the fastmq
+    handle is an ordinary value, so vLLM's queue attaches it, and the fastmq
+    writer's handshake refuses a reader that claimed no reader slot."""
     here, there = children_pipe()
     start_with_env(procs, monkeypatch, {"FASTMQ_VLLM": "0"}, children.opted_out_peer, there)
     out = recv(here)
@@ -260,12 +262,16 @@ def test_opt_out_leaves_vllm_untouched_and_mixed_handles_fail_at_attach(
     assert out["patch"] == {} and out["active"] is False
     assert out["shm"] == VLLM and out["executors_hold_vllm_classes"]
 
-    writer = fastmq.MessageQueue(1, 1, enable_shm_tensor_arena=False)
+    # ZMQ mode: vLLM's reader needs a notify address to attach at all.
+    writer = fastmq.MessageQueue(1, 1, enable_shm_tensor_arena=False, wait_mode="zmq")
     here.send(writer.export_handle())
-    kind, message, is_mismatch = recv(here)
-    assert kind == "HandleMismatchError" and is_mismatch, (kind, message)
+    assert recv(here) == ("attached", SHM)
+    with pytest.raises(fastmq.HandleMismatchError) as refused:
+        writer.wait_until_ready()
+    message = str(refused.value)
     assert "created by fastmq" in message and "vLLM's own MessageQueue" in message
     assert writer.export_handle().buffer_handle[3] in message
+    here.send("refused")
 
     vllm_handle = recv(here)
     with pytest.raises(fastmq.HandleMismatchError) as e:

@@ -1,0 +1,324 @@
+"""The readers' ends of a queue: ``LocalReader`` (the ring, plus the local
+socket for payloads too big for a chunk) and ``RemoteReader`` (TCP).
+
+Every message is decoded in one place, ``fastmq._serde.decode``, whichever
+way its frames came: the ring hands over a view of the pickle stream in
+its chunk and the out-of-band buffers, a socket its frames.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import zmq
+
+from fastmq import _config, _curve, _net, _proc, _sockets, cleanup
+from fastmq._ring import (LONG_WAIT, READY, WAIT_ZMQ, WRITER_CLOSED, WRITER_DIED,
+                          CorruptChunkError)
+from fastmq._serde import decode
+from fastmq.handle import Handle, is_fastmq_ring, vllm_ring_error
+from fastmq.ring import ShmRingBuffer, dead_peers_note
+
+logger = logging.getLogger("fastmq")
+
+
+class _ReaderEnd:
+    """What both readers share: the handshake and the socket receive."""
+
+    is_writer = False
+    handle: Handle
+    shutting_down: bool
+
+    def _receive_handshake(self, sock) -> None:
+        frames = sock.recv_multipart()
+        if frames != [b"READY"]:
+            raise RuntimeError(
+                f"fastmq: this reader connected after the writer's handshake: it "
+                f"received {_sockets.describe_handshake_frames(frames)} of a running "
+                "queue instead of READY. A reader cannot join (or, after a disconnect, "
+                "rejoin) a queue once the writer's wait_until_ready() has returned; "
+                "create a new queue.")
+
+    def _recv_message(self, sock, until: float | None) -> list:
+        """The frames of the next socket message; raises ``TimeoutError``
+        past ``until``, ``RuntimeError`` on shutdown or when the writer is
+        gone (checked between slices; frames still in flight from a writer
+        that just died get one more slice)."""
+        writer_gone = False
+        while True:
+            if self.shutting_down:
+                raise RuntimeError("cancelled")
+            wait_ms = _sockets.RECV_SLICE_MS
+            if until is not None:
+                left = int((until - time.monotonic()) * 1000)
+                if left <= 0 and not sock.poll(0):
+                    raise TimeoutError
+                wait_ms = max(0, min(wait_ms, left))
+            if sock.poll(timeout=wait_ms):
+                return sock.recv_multipart(copy=False)
+            if writer_gone:
+                raise self._writer_gone_error()
+            writer_gone = self._writer_gone()
+
+    def _writer_gone(self) -> bool:
+        # A remote reader cannot see the writer's process; a local one can.
+        return False
+
+
+class LocalReader(_ReaderEnd):
+    """Reader ``rank`` on the writer's node: attaches the ring (claiming its
+    reader slot), the local socket, the wakeup sockets in ZMQ mode and the
+    tensor arena."""
+
+    remote_socket = None
+
+    def __init__(self, handle: Handle, rank: int):
+        bh = handle.buffer_handle
+        if bh is None:
+            raise ValueError("handle has local readers but no buffer_handle")
+        if not is_fastmq_ring(bh):
+            raise vllm_ring_error(bh)
+        self.handle = handle
+        self.shutting_down = False
+        self.n_local_reader = len(handle.local_reader_ranks)
+        self.local_reader_rank = handle.local_reader_ranks.index(rank)
+        self.tensor_arena = None
+        self._overflow_seen = 0      # id of the last overflow payload received
+        self._overflow_ahead = None  # a payload received before its mark
+        self._cancel_send = None
+        self.buffer = None
+        context = zmq.Context()
+        sockets: list = []
+        try:
+            self.buffer = ShmRingBuffer(bh.n_reader, bh.max_chunk_bytes, bh.max_chunks, bh.name)
+            self.ring = ring = self.buffer.attach_reader(self.local_reader_rank)
+            ring.warn_interval = _config.warning_interval()
+            holder = ring.claim_reader(*_proc.me())
+            if holder:
+                raise RuntimeError(
+                    f"fastmq: local reader rank {rank} of this queue is already "
+                    f"attached by process {holder}, which is alive; each rank is "
+                    "attached by one process")
+            self.local_socket = sock = context.socket(zmq.SUB)
+            sockets.append(sock)
+            _sockets.tune_subscriber(sock)
+            sock.setsockopt_string(zmq.SUBSCRIBE, "")
+            sock.connect(handle.local_subscribe_addr)
+            if ring.wait_mode == WAIT_ZMQ:
+                notify = context.socket(zmq.SUB)
+                sockets.append(notify)
+                notify.setsockopt(zmq.CONFLATE, 1)
+                notify.setsockopt_string(zmq.SUBSCRIBE, "")
+                notify.connect(handle.local_notify_addr)
+                # shutdown() wakes a reader parked on the poller through
+                # this pair (another thread may call it).
+                cancel_addr = _net.new_inproc_path()
+                self._cancel_send = context.socket(zmq.PAIR)
+                self._cancel_send.bind(cancel_addr)
+                cancel_recv = context.socket(zmq.PAIR)
+                cancel_recv.connect(cancel_addr)
+                sockets += [self._cancel_send, cancel_recv]
+                poller = zmq.Poller()
+                poller.register(notify, zmq.POLLIN)
+                poller.register(cancel_recv, zmq.POLLIN)
+                ring.use_zmq_wakeup(notify, poller)
+            from fastmq import arena
+
+            # A failure to attach the arena does not fail the queue: only a
+            # message that uses it raises, with the reason (as in vLLM).
+            self.tensor_arena = arena.attach_for_queue(handle, self.local_reader_rank)
+        except BaseException:
+            _sockets.close_all(context, sockets, [])
+            if self.buffer is not None:
+                self.buffer.close()
+            raise
+        self.zmq = (context, sockets, [])
+
+    def wait_until_ready(self) -> None:
+        self._receive_handshake(self.local_socket)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+        ring = self.ring
+        ring.cancel()
+        # A reader whose writer was killed removes the files that the writer
+        # could not (vLLM's queue gets this from the resource tracker).
+        cleanup.remove_dead_writer(ring)
+        if self._cancel_send is not None:
+            try:
+                self._cancel_send.send(b"\x00", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    # -- the writer's state ---------------------------------------------------
+    def _writer_gone(self) -> bool:
+        return self.ring.peer_status() == WRITER_DIED
+
+    def _writer_gone_error(self, status: int | None = None) -> RuntimeError:
+        ring = self.ring
+        if status is None:
+            status = ring.peer_status()
+        if status == WRITER_CLOSED:
+            return RuntimeError(f"fastmq: the writer (pid {ring.writer_pid}) shut the "
+                                "queue down" + dead_peers_note())
+        cleanup.remove_dead_writer(ring)   # its files go with it
+        return RuntimeError(f"fastmq: the writer (pid {ring.writer_pid}) died; no more "
+                            "messages will come")
+
+    def _keep_waiting(self, status: int, indefinite: bool) -> None:
+        """Act on what ``ring.wait_next()`` returned until the chunk is
+        ready: log a long wait (unless ``indefinite``), raise for a writer
+        that is gone."""
+        ring = self.ring
+        while status != READY:
+            if status != LONG_WAIT:
+                raise self._writer_gone_error(status)
+            if not indefinite:
+                logger.info(_config.LONG_WAIT_TIME_LOG_MSG + " This reader (rank %d) has "
+                            "waited %.0f s for the writer (pid %d).", ring.warn_interval,
+                            ring.reader_rank, ring.waited, ring.writer_pid)
+            status = ring.continue_wait()
+
+    # -- raw chunk access -------------------------------------------------------
+    @contextmanager
+    def acquire_read(self, timeout: float | None, indefinite: bool) -> Iterator[memoryview]:
+        ring = self.ring
+        status = ring.wait_next(timeout)
+        if status != READY:
+            self._keep_waiting(status, indefinite)
+        idx = ring.current_idx
+        try:
+            with ring.chunk_view(idx) as buf:
+                yield buf
+        finally:
+            ring.release_read(idx)
+
+    # -- messages ---------------------------------------------------------------
+    def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
+        arena = self.tensor_arena
+        if arena is not None:
+            # Hand back arena slots whose last view died (CUDA-event gated
+            # where this process pinned the arena).
+            arena.flush_releases()
+        ring = self.ring
+        status = ring.wait_next(timeout)
+        if status != READY:
+            self._keep_waiting(status, indefinite)
+        idx = ring.current_idx
+        release = True
+        try:
+            frames = ring.read_frames()
+            if frames is None:
+                # An overflow mark: the chunk stays unread until its payload
+                # is here, so a timeout below consumes nothing.
+                release = False
+            else:
+                stream, oob = frames
+                try:
+                    return decode(stream, oob, arena)
+                finally:
+                    stream.release()
+        finally:
+            if release:
+                ring.release_read(idx)
+        # The payload left the writer before the mark was published: it is
+        # here or nearly, so it gets its own (full) timeout rather than a
+        # clock read on every dequeue().
+        return self._recv_overflow(_sockets.deadline(timeout))
+
+    def _recv_overflow(self, until: float | None) -> Any:
+        """The payload of the overflow mark in the current chunk.  The
+        chunk is released only once its payload is here, so a timeout
+        leaves both where they were."""
+        ring = self.ring
+        want = ring.overflow_id
+        if not self._overflow_seen < want <= ring.overflow_latest:
+            # Ids grow, and a payload leaves the writer before its mark is
+            # published: no payload will ever come for this mark.
+            idx = ring.current_idx
+            ring.release_read(idx)
+            raise CorruptChunkError(
+                f"fastmq: ring chunk {idx} holds an overflow mark for message {want}, "
+                f"which the writer never published (last published "
+                f"{ring.overflow_latest}, last received {self._overflow_seen})")
+        while True:
+            if self._overflow_ahead is not None:
+                (msg_id, payload), self._overflow_ahead = self._overflow_ahead, None
+            else:
+                frames = self._recv_message(self.local_socket, until)
+                msg_id, payload = _sockets.split_message(frames, "local reader")
+            if msg_id == want:
+                break
+            if msg_id > want:
+                # Kept for the mark that names it; this mark is corrupt.
+                self._overflow_ahead = (msg_id, payload)
+                ring.release_read(ring.current_idx)
+                raise CorruptChunkError(
+                    f"fastmq: the ring's overflow mark names message {want}, but the "
+                    f"socket delivered message {msg_id} first")
+            # msg_id < want: the payload of a send the writer abandoned.
+        self._overflow_seen = want
+        ring.release_read(ring.current_idx)
+        main, *oob = payload
+        return decode(main, oob, self.tensor_arena)
+
+    def stats(self) -> dict:
+        out = {"wakeups": self.ring.wakeups, "notify_errors": self.ring.notify_errors}
+        if self.tensor_arena is not None:
+            out.update(self.tensor_arena.stats())
+        return out
+
+
+class RemoteReader(_ReaderEnd):
+    """A reader on another node: one SUB socket over TCP (CURVE when the
+    handle carries keys); messages carry sequence numbers, so a gap is an
+    error rather than a silent loss."""
+
+    buffer = ring = tensor_arena = local_socket = None
+    local_reader_rank = -1
+
+    def __init__(self, handle: Handle, rank: int):
+        self.handle = handle
+        self.shutting_down = False
+        self.n_local_reader = len(handle.local_reader_ranks)
+        self._remote_seq = 0
+        context = zmq.Context()
+        sockets: list = []
+        try:
+            self.remote_socket = sock = context.socket(zmq.SUB)
+            sockets.append(sock)
+            sock.setsockopt_string(zmq.SUBSCRIBE, "")
+            if handle.remote_addr_ipv6:
+                sock.setsockopt(zmq.IPV6, 1)
+            keys = getattr(handle, "remote_curve_keys", None)
+            if keys is not None:
+                _curve.secure_client(sock, keys)
+            sock.connect(handle.remote_subscribe_addr)
+        except BaseException:
+            _sockets.close_all(context, sockets, [])
+            raise
+        self.zmq = (context, sockets, [])
+
+    def wait_until_ready(self) -> None:
+        self._receive_handshake(self.remote_socket)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+    def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
+        frames = self._recv_message(self.remote_socket, _sockets.deadline(timeout))
+        msg_id, payload = _sockets.split_message(frames, "remote reader")
+        want = self._remote_seq + 1
+        if msg_id != want:
+            raise RuntimeError(
+                f"fastmq: this remote reader expected message {want} but received "
+                f"{msg_id}: it lost messages while disconnected from the writer, and "
+                "a remote reader cannot rejoin a running queue")
+        self._remote_seq = msg_id
+        main, *oob = payload
+        return decode(main, oob, None)
+
+    def stats(self) -> dict:
+        return {"wakeups": 0, "notify_errors": 0}

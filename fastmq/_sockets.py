@@ -1,0 +1,146 @@
+"""The ZMQ side of a queue end: socket options, the framing of a socket
+message, the wait until a sent message has left this process, and closing
+an end's sockets.
+
+Socket messages (local overflow payloads and every remote message) are::
+
+    [header][pickle stream][out-of-band buffer ...][fill][mark]
+
+header = (message id, number of payload frames).  Local overflow ids count
+send attempts, so a payload the writer abandoned (its ring mark never
+published) is recognised and skipped; remote ids count committed messages,
+so a remote reader sees any gap.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import time
+
+import zmq
+
+from fastmq import segments
+from fastmq._ring import CorruptChunkError
+
+logger = logging.getLogger("fastmq")
+
+RECV_SLICE_MS = 100   # socket waits re-check shutdown and the writer at this period
+FLUSH_SLICE_S = 0.05  # flush waits re-check shutdown and peers at this period
+
+HEADER = struct.Struct("<QI")
+
+# enqueue() returns only once the message has left this process: in the
+# kernel's socket buffers or the reader's process, both of which outlive a
+# killed writer.  libzmq says so through a MessageTracker on the last frame,
+# read with its engine's order in mind: the engine encodes frames into
+# batches of out_batch_size (8 KiB) and takes the next frame from the pipe
+# only while the batch it is filling has room.  So every message ends with
+#   [fill: more than one batch][mark: tracked]
+# The fill completes the batch that holds the message's last bytes; the
+# mark is taken from the pipe, and released (tracker done), only after that
+# batch was written -- also with CURVE, where a frame is released as soon as
+# it is encrypted.  Frames below FLUSH_MARK_BYTES are copied by pyzmq
+# (cheap, and immune to later mutation); larger ones are sent zero-copy, and
+# released in order before the mark, so no caller buffer is referenced once
+# enqueue() returns either.
+FLUSH_FILL = bytes(9 * 1024)
+FLUSH_MARK_BYTES = 1024
+FLUSH_MARK = bytes(FLUSH_MARK_BYTES)
+
+
+def tune_publisher(sock) -> None:
+    """Options of an XPUB that carries messages.
+
+    No high-water mark: the ring bounds what a local reader can have
+    outstanding, and the flush wait bounds the remote path to one message
+    in flight, so a limit could only ever drop a message whose enqueue()
+    had returned.  NODROP makes any limit block instead."""
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.XPUB_NODROP, 1)
+    sock.copy_threshold = FLUSH_MARK_BYTES
+
+
+def tune_subscriber(sock) -> None:
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def send_message(sock, msg_id: int, buffers: list):
+    """Queue one socket message; return the tracker of its last frame."""
+    frames = [HEADER.pack(msg_id, len(buffers)), *buffers, FLUSH_FILL, FLUSH_MARK]
+    return sock.send_multipart(frames, copy=False, track=True)
+
+
+def split_message(frames: list, where: str) -> tuple[int, list]:
+    """(message id, payload frames) of a received socket message."""
+    head = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
+    if len(head) != HEADER.size:
+        raise CorruptChunkError(f"fastmq: {where}: a socket message has a "
+                                f"{len(head)}-byte header, expected {HEADER.size}")
+    msg_id, n = HEADER.unpack(head)
+    if not 1 <= n <= len(frames) - 1:
+        raise CorruptChunkError(f"fastmq: {where}: message {msg_id} names {n} payload "
+                                f"frames but carries {len(frames) - 1}")
+    return msg_id, frames[1:1 + n]
+
+
+def describe_handshake_frames(frames: list) -> str:
+    """What a reader received instead of READY, for the late-join error."""
+    if len(frames) >= 2 and len(frames[0]) == HEADER.size:
+        return f"message {HEADER.unpack(frames[0])[0]}"
+    return f"{len(frames)} frames"
+
+
+def deadline(timeout: float | None) -> float | None:
+    if timeout is None or not math.isfinite(timeout):
+        return None
+    return time.monotonic() + max(timeout, 0.0)
+
+
+def wait_flushed(tracker, until: float | None, where: str, end) -> None:
+    """Wait until the message of ``tracker`` has left this process.
+
+    ``end`` (a queue end) is asked between slices: ``end.shutting_down``
+    raises ``RuntimeError("cancelled")``, and ``end.check_readers_alive()``
+    raises if a reader died (it could never take the message)."""
+    if tracker.done:
+        return
+    next_check = time.monotonic() + 0.2
+    while True:
+        if end.shutting_down:
+            raise RuntimeError("cancelled")
+        wait = FLUSH_SLICE_S
+        if until is not None:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"fastmq: a reader did not take the message from "
+                                   f"{where} in time")
+            wait = min(wait, left)
+        try:
+            tracker.wait(wait)
+            return
+        except zmq.NotDone:
+            pass
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + 0.2
+            end.check_readers_alive()
+
+
+def close_all(context, sockets, paths) -> None:
+    """Close an end's sockets and context and remove its ipc files.
+
+    linger=0 loses nothing: enqueue() returned only after its message left
+    the process (see FLUSH_FILL).  Not run at interpreter exit (pyzmq's
+    term() can hang there when the context and its sockets are collected
+    together); segments.remove_at_exit still removes the ipc files then.
+    Teardown errors cannot be acted on, but are logged rather than dropped."""
+    for s in sockets:
+        try:
+            s.close(linger=0)
+        except Exception as e:
+            logger.debug("fastmq: closing a queue socket failed: %r", e)
+    try:
+        context.term()
+    except Exception as e:
+        logger.debug("fastmq: terminating a queue's ZMQ context failed: %r", e)
+    segments.remove_now(paths)

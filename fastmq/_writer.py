@@ -1,0 +1,409 @@
+"""The writer's end of a queue: encodes each message once and publishes it
+to the ring (node-local readers), to the local XPUB socket when it does not
+fit a chunk (with a mark in the ring), and to the remote XPUB socket.
+
+Nothing lost: when ``enqueue()`` returns, the message is in shared memory
+or has left this process (see ``fastmq._sockets.FLUSH_FILL``); everything
+that can fail or time out happens before that point.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import zmq
+
+from fastmq import _config, _curve, _net, _sockets, segments
+from fastmq._ring import LONG_WAIT, READER_DIED, READY, WAIT_ZMQ
+from fastmq._serde import Encoder
+from fastmq.handle import BufferHandle, Handle, HandleMismatchError
+from fastmq.ring import ShmRingBuffer
+
+logger = logging.getLogger("fastmq")
+
+
+class _Stats:
+    __slots__ = ("ring_messages", "ring_bytes", "overflow_messages", "overflow_bytes",
+                 "remote_messages", "remote_bytes")
+
+    def __init__(self):
+        for k in self.__slots__:
+            setattr(self, k, 0)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def _nbytes(buffers: list) -> int:
+    return sum(memoryview(b).nbytes for b in buffers)
+
+
+def _resolve_geometry(max_chunk_bytes: int, max_chunks: int) -> tuple[int, int]:
+    mb = _config.env_int("FASTMQ_MAX_CHUNK_MB", None, minimum=1)
+    n = _config.env_int("FASTMQ_MAX_CHUNKS", None, minimum=1)
+    return (mb << 20 if mb is not None else max_chunk_bytes,
+            n if n is not None else max_chunks)
+
+
+class QueueWriter:
+    """Creates the ring, the sockets and the arena of a new queue, and
+    sends on them.  ``MessageQueue.__init__`` documents the arguments."""
+
+    is_writer = True
+    local_reader_rank = -1
+
+    def __init__(self, n_reader: int, n_local_reader: int,
+                 local_reader_ranks: list[int] | None, max_chunk_bytes: int, max_chunks: int,
+                 connect_ip: str | None, enable_shm_tensor_arena: bool | None, *,
+                 wait_mode: str | None, spin_us: float | None, remote_curve: bool | None,
+                 arena_options: dict):
+        if n_local_reader > n_reader or n_local_reader < 0:
+            raise ValueError(f"n_local_reader={n_local_reader} must be in 0..n_reader={n_reader}")
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        elif len(local_reader_ranks) != n_local_reader:
+            raise ValueError(f"local_reader_ranks {local_reader_ranks} does not have "
+                             f"n_local_reader={n_local_reader} entries")
+        max_chunk_bytes, max_chunks = _resolve_geometry(max_chunk_bytes, max_chunks)
+        self.n_local_reader = n_local_reader
+        self.n_remote_reader = n_remote_reader = n_reader - n_local_reader
+        self.shutting_down = False
+        self.stats_ = _Stats()
+        # Held by enqueue() and by shutdown() around closing the ring, so a
+        # shutdown on another thread cannot close the queue between an
+        # enqueue's last check and its publish (readers would then see
+        # "closed" and stop before a message whose enqueue() returned).
+        # Re-entrant: a signal handler may call shutdown() mid-enqueue.
+        self._send_lock = threading.RLock()
+        self._overflow_id = 0       # last local overflow send attempt
+        self._remote_seq = 0        # last message committed to remote readers
+        self._remote_pending = None  # tracker of a remote message not yet flushed
+        self._remote_broken = None  # why remote readers can no longer be served
+        self._notify_failure_logged = False
+        self.buffer = self.ring = self.tensor_arena = None
+        self.local_socket = self.notify_socket = self.remote_socket = None
+        context = zmq.Context()
+        sockets: list = []
+        paths: list[str] = []
+        local_subscribe_addr = local_notify_addr = remote_subscribe_addr = None
+        remote_addr_ipv6 = False
+        curve = None
+        try:
+            if n_local_reader > 0:
+                self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks,
+                                            wait_mode=wait_mode, spin_us=spin_us)
+                self.ring = ring = self.buffer.ring
+                ring.warn_interval = _config.warning_interval()
+                self.local_socket = context.socket(zmq.XPUB)
+                sockets.append(self.local_socket)
+                self.local_socket.setsockopt(zmq.XPUB_VERBOSE, True)
+                _sockets.tune_publisher(self.local_socket)
+                local_subscribe_addr, path = _net.bind_ipc(self.local_socket)
+                paths.append(path)
+                segments.remove_at_exit([path])
+                if ring.wait_mode == WAIT_ZMQ:
+                    # XPUB, not PUB: wait_until_ready() waits for every
+                    # reader's subscription here too, since a notify sent
+                    # before it arrives would be dropped (a lost wakeup).
+                    # Default high-water mark on purpose: with SNDHWM=1 a
+                    # notify sent before the socket has processed the
+                    # previous one's delivery is dropped silently.  The
+                    # ring notifies only while a reader is parked, so the
+                    # pipe stays short anyway.
+                    notify = self.notify_socket = context.socket(zmq.XPUB)
+                    notify.setsockopt(zmq.XPUB_VERBOSE, True)
+                    sockets.append(notify)
+                    local_notify_addr, path = _net.bind_ipc(notify)
+                    paths.append(path)
+                    segments.remove_at_exit([path])
+                    ring.use_zmq_wakeup(notify)
+                from fastmq import arena
+
+                self.tensor_arena = arena.create_for_queue(
+                    enable_shm_tensor_arena, arena_options, n_local_reader, n_remote_reader)
+            elif arena_options:
+                raise TypeError(f"unexpected arguments {sorted(arena_options)}")
+            if n_remote_reader > 0:
+                if not connect_ip:
+                    connect_ip = _net.local_ip()
+                self.remote_socket = sock = context.socket(zmq.XPUB)
+                sockets.append(sock)
+                # VERBOSER: every (un)subscription reaches us, so enqueue()
+                # sees a remote reader that disconnected (and would miss
+                # messages) instead of sending into the void.
+                sock.setsockopt(zmq.XPUB_VERBOSER, True)
+                _sockets.tune_publisher(sock)
+                if _curve.wanted(remote_curve):
+                    curve = _curve.CurveServer(context)
+                    sockets.append(curve)  # stopped with the sockets, before term()
+                    curve.secure(sock)
+                if _net.is_ipv6(connect_ip):
+                    sock.setsockopt(zmq.IPV6, 1)
+                    remote_addr_ipv6 = True
+                    connect_ip = f"[{connect_ip.strip('[]')}]"
+                sock.bind(f"tcp://{connect_ip}:0")
+                endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+                remote_subscribe_addr = f"tcp://{connect_ip}:{endpoint.rsplit(':', 1)[1]}"
+        except BaseException:
+            _sockets.close_all(context, sockets, paths)
+            if self.buffer is not None:
+                self.buffer.close()
+            raise
+        self.zmq = (context, sockets, paths)
+        self.encoder = Encoder(self.tensor_arena)
+        self.handle = Handle(
+            local_reader_ranks=list(local_reader_ranks),
+            buffer_handle=BufferHandle(*self.buffer.handle()) if self.buffer else None,
+            local_subscribe_addr=local_subscribe_addr,
+            local_notify_addr=local_notify_addr,
+            remote_subscribe_addr=remote_subscribe_addr,
+            remote_addr_ipv6=remote_addr_ipv6,
+            tensor_arena_handle=(self.tensor_arena.handle()
+                                 if self.tensor_arena is not None else None),
+            remote_curve_keys=tuple(curve.keys) if curve is not None else None,
+            n_reader=n_reader,
+        )
+
+    # -- handshake and shutdown ----------------------------------------------
+    def wait_until_ready(self) -> None:
+        """Wait for every reader's subscription, then send READY on each
+        channel so that no later message can be missed."""
+        for _ in range(self.n_local_reader):
+            self.local_socket.recv()
+        if self.notify_socket is not None:
+            for _ in range(self.n_local_reader):
+                self.notify_socket.recv()
+        if self.n_local_reader > 0:
+            self._check_readers_are_fastmq()
+            self.local_socket.send(b"READY")
+        for _ in range(self.n_remote_reader):
+            self.remote_socket.recv()
+        if self.n_remote_reader > 0:
+            self.remote_socket.send(b"READY")
+
+    def _check_readers_are_fastmq(self) -> None:
+        # A fastmq reader claims its slot in the ring header before it
+        # subscribes; a subscriber without a claimed slot attached with
+        # vLLM's own MessageQueue, which would read this ring as vLLM's.
+        ring = self.ring
+        unclaimed = [r for r in range(ring.n_reader) if ring.reader_identity(r)[0] == 0]
+        if unclaimed:
+            raise HandleMismatchError(
+                f"this MessageQueue handle was created by fastmq (ring segment "
+                f"{self.buffer.name!r}) but local reader(s) {unclaimed} attached with "
+                "vLLM's own MessageQueue: fastmq is not active in their process. "
+                "Install fastmq in every vLLM process's environment, unset "
+                "FASTMQ_VLLM=0, or call fastmq.vllm.patch() before vLLM creates "
+                "its queues.")
+
+    def shutdown(self) -> None:
+        """An enqueue() on another thread either completes (its message is
+        delivered before readers see the queue closed) or raises."""
+        self.shutting_down = True
+        ring = self.ring
+        if ring is None:
+            return
+        # Wake first: an enqueue() blocked on a full ring or a flush raises
+        # "cancelled" and lets go of the send lock.
+        ring.cancel()
+        with self._send_lock:
+            ring.mark_closed()
+        # Wake parked readers again, now that they can see "closed".
+        ring.cancel()
+
+    # -- waiting for the ring ---------------------------------------------------
+    def _wait_turn(self, timeout: float | None) -> None:
+        status = self.ring.wait_next(timeout)
+        if status != READY:
+            self._keep_waiting(status)
+
+    def _keep_waiting(self, status: int) -> None:
+        """Act on what ``ring.wait_next()`` returned until the chunk is
+        free: log a long wait, raise for a reader that died."""
+        ring = self.ring
+        while status != READY:
+            if status == LONG_WAIT:
+                behind = ", ".join(
+                    f"rank {r} (pid {ring.reader_identity(r)[0] or 'not attached'})"
+                    for r in ring.unread_readers(ring.current_idx))
+                logger.info(_config.LONG_WAIT_TIME_LOG_MSG + " Readers that have not read "
+                            "chunk %d for %.0f s: %s.", ring.warn_interval, ring.current_idx,
+                            ring.waited, behind or "none")
+            elif status == READER_DIED:
+                raise RuntimeError(
+                    f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) died without "
+                    f"reading chunk {ring.current_idx}; the writer cannot make progress")
+            status = ring.continue_wait()
+
+    def check_readers_alive(self) -> None:
+        """Raise if a local reader died: it can never take a message."""
+        ring = self.ring
+        if ring is not None and ring.peer_status() == READER_DIED:
+            raise RuntimeError(f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) "
+                               "died; the writer cannot deliver to it")
+
+    # -- raw chunk access ---------------------------------------------------------
+    @contextmanager
+    def acquire_write(self, timeout: float | None) -> Iterator[memoryview]:
+        self._wait_turn(timeout)
+        ring = self.ring
+        idx = ring.begin_write()
+        with ring.chunk_view(idx) as buf:
+            yield buf
+        ring.publish_chunk(idx)
+
+    # -- messages -----------------------------------------------------------------
+    def enqueue(self, obj: Any, timeout: float | None) -> None:
+        with self._send_lock:
+            if self.shutting_down:
+                raise RuntimeError("cancelled")
+            arena = self.tensor_arena
+            ring = self.ring
+            published = ring.n_published if ring is not None else 0
+            remote = None
+            try:
+                buffers = self.encoder.encode(obj)
+                if self.n_remote_reader == 0:
+                    # The clock is read only for a finite timeout: the
+                    # overflow path's flush shares it with the ring wait.
+                    until = None if timeout is None else _sockets.deadline(timeout)
+                    status = ring.wait_next(timeout)
+                    if status != READY:
+                        self._keep_waiting(status)
+                    framed = ring.send(buffers)
+                    if framed:
+                        stats = self.stats_
+                        stats.ring_messages += 1
+                        stats.ring_bytes += framed
+                    else:
+                        self._send_overflow(buffers, until)
+                else:
+                    remote = self._send_with_remote(buffers, timeout)
+            except BaseException:
+                if arena is not None:
+                    if ring is not None and ring.n_published != published:
+                        # The chunk naming these slots is out: readers own
+                        # the slots now and release them.
+                        arena.commit()
+                    else:
+                        # Never published to a reader: the slots are free again.
+                        arena.abort()
+                raise
+            if arena is not None:
+                arena.commit()
+            if ring is not None and ring.notify_errors and not self._notify_failure_logged:
+                self._log_notify_failure()
+            if remote is not None:
+                self._flush_remote(remote, _sockets.deadline(timeout))
+
+    def _log_notify_failure(self) -> None:
+        # Once: it would otherwise repeat on every message.
+        self._notify_failure_logged = True
+        logger.warning("fastmq: a ZMQ wakeup notify failed (%s); parked readers now wake "
+                       "only on their %.0f ms re-check", self.ring.last_notify_error,
+                       self.ring.park_slice_ns / 1e6)
+
+    def _send_overflow(self, buffers: list, until: float | None) -> None:
+        """A message too big for a chunk (whose turn has come): payload on
+        the socket, then a mark in the ring.  The mark is published only once
+        the payload has left this process, so a reader that sees it always
+        gets the payload, and a send abandoned before (timeout, shutdown,
+        dead reader) is skipped by readers by its id."""
+        self._overflow_id += 1
+        tracker = _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+        _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
+        self.ring.send_overflow_mark(self._overflow_id)
+        stats = self.stats_
+        stats.overflow_messages += 1
+        stats.overflow_bytes += _nbytes(buffers)
+
+    def _send_with_remote(self, buffers: list, timeout: float | None):
+        """Everything that can fail or time out happens before the remote
+        send; the remote send is the commit point, and the ring publish
+        after it cannot fail.  Returns the remote message's tracker."""
+        until = _sockets.deadline(timeout)
+        ring = self.ring
+        if ring is not None:
+            self._wait_turn(timeout)
+        self._check_remote_readers()
+        if self._remote_pending is not None:
+            # Backpressure: the previous remote message must have left.
+            _sockets.wait_flushed(self._remote_pending, until, "the remote readers' socket",
+                                  self)
+            self._remote_pending = None
+        overflow = False
+        if ring is not None:
+            framed = ring.framed_size(buffers)
+            overflow = framed > ring.max_chunk_bytes
+            # /dev/shm too must fail here, not after the commit point.
+            ring.reserve_next(framed)
+        if overflow:
+            self._overflow_id += 1
+            tracker = _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+            _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
+        self._remote_seq += 1
+        tracker = _sockets.send_message(self.remote_socket, self._remote_seq, buffers)
+        stats = self.stats_
+        nbytes = _nbytes(buffers)
+        stats.remote_messages += 1
+        stats.remote_bytes += nbytes
+        if ring is not None:
+            if overflow:
+                ring.send_overflow_mark(self._overflow_id)
+                stats.overflow_messages += 1
+                stats.overflow_bytes += nbytes
+            else:
+                stats.ring_bytes += ring.send(buffers)
+                stats.ring_messages += 1
+        return tracker
+
+    def _flush_remote(self, tracker, until: float | None) -> None:
+        """Wait until the committed remote message has left this process.
+        Past the deadline (or on shutdown) it stays queued and the next
+        enqueue() waits for it first."""
+        self._remote_pending = tracker
+        try:
+            _sockets.wait_flushed(tracker, until, "the remote readers' socket", self)
+        except (TimeoutError, RuntimeError):
+            return
+        self._remote_pending = None
+
+    def _check_remote_readers(self) -> None:
+        """Raise if a remote reader disconnected since the handshake: the
+        messages it missed cannot be replayed, so sending on would drop
+        them for it silently."""
+        sock = self.remote_socket
+        while self._remote_broken is None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = sock.recv(zmq.NOBLOCK)
+            if event[:1] == b"\x00":
+                self._remote_broken = (
+                    "a remote reader disconnected from the writer after the handshake; "
+                    "messages sent since would not reach it, and a remote reader "
+                    "cannot rejoin a running queue")
+            elif event[:1] == b"\x01":
+                logger.warning("fastmq: a remote client subscribed to the queue after the "
+                               "handshake; it is not one of the queue's readers")
+        if self._remote_broken is not None:
+            raise RuntimeError(f"fastmq: {self._remote_broken}")
+
+    def empty_tensor(self, shape, dtype=None):
+        arena = self.tensor_arena
+        if arena is not None:
+            t = arena.empty_tensor(shape, dtype)
+            if t is not None:
+                return t
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
+
+    def stats(self) -> dict:
+        out = self.stats_.as_dict()
+        ring = self.ring
+        out["wakeups"] = ring.wakeups if ring is not None else 0
+        out["notify_errors"] = ring.notify_errors if ring is not None else 0
+        if self.tensor_arena is not None:
+            out.update(self.tensor_arena.stats())
+        return out

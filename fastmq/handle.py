@@ -1,0 +1,89 @@
+"""What a reader attaches with: ``Handle`` (vLLM's fields, plus fastmq's
+own), ``BufferHandle`` (the ring part of it), and the rank check.
+
+Both are ordinary values: they pickle, ``dataclasses.asdict`` and
+``json.dumps`` take them, and a ``BufferHandle`` indexes and unpacks like
+the plain tuple vLLM puts in the same field.  Its type is the marker that
+tells a fastmq ring from a vLLM one.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class HandleMismatchError(RuntimeError):
+    """A handle from one queue implementation was given to the other."""
+
+
+class BufferHandle(NamedTuple):
+    """The ring of a fastmq queue: vLLM's ``(n_reader, max_chunk_bytes,
+    max_chunks, name)``, as a type of its own so that fastmq can tell its
+    rings from vLLM's (whose handles hold a plain tuple)."""
+
+    n_reader: int
+    max_chunk_bytes: int
+    max_chunks: int
+    name: str
+
+
+def is_fastmq_ring(buffer_handle) -> bool:
+    return isinstance(buffer_handle, BufferHandle)
+
+
+@dataclass
+class Handle:
+    """Everything a reader needs to attach; picklable, same fields as vLLM's."""
+
+    local_reader_ranks: list[int] = field(default_factory=list)
+    buffer_handle: tuple[int, int, int, str] | None = None
+    local_subscribe_addr: str | None = None
+    local_notify_addr: str | None = None
+    remote_subscribe_addr: str | None = None
+    remote_addr_ipv6: bool = False
+    tensor_arena_handle: tuple | None = None
+    # fastmq only: (server public, client public, client secret) z85 keys
+    # when the remote path uses CURVE (see fastmq._curve); kept out of repr
+    # so that logging the handle does not print the secret.
+    remote_curve_keys: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
+    # fastmq only: how many readers in all, so that a bad rank is refused.
+    n_reader: int | None = None
+
+
+def vllm_ring_error(buffer_handle) -> HandleMismatchError:
+    return HandleMismatchError(
+        f"this MessageQueue handle was created by vLLM's own MessageQueue "
+        f"(ring segment {buffer_handle[3]!r}) but is being attached by fastmq: the "
+        "writer's process does not use fastmq. Activate fastmq in every "
+        "vLLM process (install it; do not set FASTMQ_VLLM=0) or in none.")
+
+
+def check_rank(handle: Handle, rank) -> int:
+    """``rank`` as an int if ``handle`` has a reader of that rank, else
+    ``ValueError`` naming the valid ranks."""
+    local = list(handle.local_reader_ranks)
+    remote = handle.remote_subscribe_addr is not None
+    if remote:
+        n = handle.n_reader
+        # Remote readers are the ranks not listed as local; with the writer
+        # in the same group, ranks run up to n_reader.
+        valid = (f"local reader ranks {local}, or a remote reader rank in 0..{n} "
+                 "not listed there" if n is not None else
+                 f"local reader ranks {local}, or a remote reader rank >= 0")
+    else:
+        valid = f"the local reader ranks {local}"
+    if isinstance(rank, bool) or not hasattr(type(rank), "__index__"):
+        raise ValueError(f"fastmq: reader rank {rank!r} is not an integer; this queue "
+                         f"has {valid}")
+    rank = operator.index(rank)
+    ok = rank in local or (remote and rank >= 0 and
+                           (handle.n_reader is None or rank <= handle.n_reader))
+    if not ok:
+        raise ValueError(f"fastmq: reader rank {rank} is not a reader of this queue: "
+                         f"it has {valid}")
+    return rank
+
+
+__all__ = ["Handle", "BufferHandle", "HandleMismatchError", "check_rank", "is_fastmq_ring",
+           "vllm_ring_error"]
