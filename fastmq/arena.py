@@ -14,8 +14,8 @@ environment, else the default:
 keyword                 environment                    default      meaning
 ======================  =============================  ===========  ========================
 ``arena_slots``         ``FASTMQ_ARENA_SLOTS``         8            large buffers in flight
-``arena_slot_mb``       ``FASTMQ_ARENA_SLOT_MB``       256          largest divertible buffer
-``arena_min_mb``        ``FASTMQ_ARENA_MIN_MB``        8            smallest divertible buffer
+``arena_slot_mb``       ``FASTMQ_ARENA_SLOT_MB``       256          largest buffer in a slot
+``arena_min_mb``        ``FASTMQ_ARENA_MIN_MB``        8            smallest buffer in a slot
 ``arena_prefault``      ``FASTMQ_ARENA_PREFAULT``      ahead        ahead / off / all / N slots
 ``arena_copy_threads``  ``FASTMQ_ARENA_COPY_THREADS``  cpus/2 <= 4  threads of one large copy
 ``arena_readers``       ``FASTMQ_ARENA_READERS``       isolated     isolated / shared
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastmq import _config, segments
-from fastmq._arena import Arena, ArenaError, SlotBuffer, is_descriptor, layout
+from fastmq._arena import ArenaEnd, ArenaError, SlotBuffer, is_descriptor, layout
 
 logger = logging.getLogger("fastmq")
 
@@ -217,7 +217,7 @@ def attach_error(name: str) -> str | None:
 
 
 # -- ends ------------------------------------------------------------------------
-def _close_writer(core: Arena, creator_pid: int) -> None:
+def _close_writer(core: ArenaEnd, creator_pid: int) -> None:
     # The name goes now (no new attach); the mapping when the last
     # reference to the core does (the encoder, a writer-side view).
     core.close()
@@ -237,7 +237,7 @@ class ShmTensorArena:
     writer; ``readers="shared"`` lets readers write each other's tensors,
     see the module docstring); with ``name`` and ``reader_rank`` it
     attaches reader ``reader_rank``.  The writer's ``reducer_override`` and
-    ``divert_buffer`` and the reader's ``map_oob`` and ``flush_releases``
+    ``copy_to_slot`` and the reader's ``map_oob`` and ``flush_releases``
     are the Cython core's bound methods, called directly by the pickler and
     the ring.
     """
@@ -260,7 +260,7 @@ class ShmTensorArena:
             _check_space(total, n_slots, slot_bytes)
             seg = segments.create_segment("arena", total, "the fastmq tensor arena")
             try:
-                core = Arena.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
+                core = ArenaEnd.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
                                     copy_threads or default_copy_threads(), COPY_MIN_PART,
                                     prefault != "off", readers == "shared")
             except BaseException:
@@ -276,12 +276,12 @@ class ShmTensorArena:
             elif isinstance(prefault, int) and prefault > 0:
                 core.prefault(range(min(prefault, n_slots)))
             self.reducer_override = core.reducer_override
-            self.divert_buffer = core.divert_buffer
+            self.copy_to_slot = core.copy_to_slot
             self.commit = core.commit     # after a message is sent
             self.abort = core.abort       # when it is not
         else:
             self.is_creator = False
-            core = Arena.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
+            core = ArenaEnd.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
             self.map_oob = core.map_oob
             self.flush_releases = core.flush_releases
             _ARENAS[name] = self
