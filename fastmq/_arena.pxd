@@ -1,7 +1,7 @@
 from libc.stdint cimport uint8_t, uint64_t
 from fastmq._shm cimport Segment
 
-cdef class Arena:
+cdef class ArenaEnd:
     cdef readonly Segment segment
     cdef readonly str name
     cdef char *base
@@ -58,7 +58,7 @@ cdef class Arena:
     cdef uint64_t publish(self, int slot) noexcept nogil
     cdef int claim(self) noexcept nogil
     cdef bytes descriptor(self, int slot, uint64_t offset, uint64_t nbytes, uint64_t epoch)
-    cdef object divert(self, Py_buffer *view)
+    cdef object view_to_slot(self, Py_buffer *view)
     cdef object copy_in(self, int slot, const char *src, Py_ssize_t nbytes)
     cdef object in_place(self, char *ptr, Py_ssize_t nbytes)
     cdef int populate_for_use(self, int slot, Py_ssize_t nbytes) except -2
@@ -74,7 +74,7 @@ cdef class Arena:
 
 
 cdef class SlotBuffer:
-    cdef Arena arena
+    cdef ArenaEnd arena
     cdef char *ptr
     cdef readonly Py_ssize_t nbytes
     cdef readonly int slot

@@ -18,7 +18,7 @@ stub: CPython's C pickler hands ``PickleBuffer`` (and dict, list, tuple,
 set, bytearray) objects to its own savers without consulting
 ``reducer_override``; the only hook that sees every buffer is the
 pickler's ``buffer_callback``, which can only choose in-band or
-out-of-band.  So the writer's buffer callback (``divert_buffer``) replaces
+out-of-band.  So the writer's buffer callback (``copy_to_slot``) replaces
 the out-of-band entry, and the reader's ring/socket path maps entries back
 (``map_oob``).  Real out-of-band entries are never smaller than
 ``fastmq._serde.OOB_MIN_BYTES`` (1 MiB), so a 48-byte entry with the magic
@@ -63,7 +63,7 @@ explicit opt-in of the writer) maps the slots shared and writable in every
 reader: no private copies, pinned for CUDA, and one reader's write is
 everybody's.
 
-Lifetimes: a reader's ``SlotBuffer`` holds a reference to its ``Arena``,
+Lifetimes: a reader's ``SlotBuffer`` holds a reference to its ``ArenaEnd``,
 which holds the ``Segment``; so the mapping outlives every view, and the
 arena's ``__dealloc__`` (which unregisters a CUDA pin before the segment
 unmaps) runs only after the last view is gone.  ``torch.frombuffer`` and
@@ -206,7 +206,7 @@ def cow_scan_available():
     return bool(fmq_cow_scan_ok()) and _pagemap() >= 0
 
 
-# torch is optional; without it only numpy arrays and raw buffers divert.
+# torch is optional; without it only numpy arrays and raw buffers use slots.
 # (object, not ``cdef type``: torch's classes have a metaclass, which a
 # ``type``-typed variable refuses.)
 cdef object _Tensor = None
@@ -252,9 +252,10 @@ def is_descriptor(obj):
 
 @cython.final
 @cython.no_gc_clear
-cdef class Arena:
-    """One end of an arena: the writer (``create``) or reader ``rank``
-    (``attach``).  The Python surface is ``fastmq.arena.ShmTensorArena``."""
+cdef class ArenaEnd:
+    """One process's end of an arena segment: its mapping and the flags it
+    keeps, as the writer (``create``) or as reader ``rank`` (``attach``).
+    The Python surface is ``fastmq.arena.ArenaWriter`` / ``ArenaReader``."""
 
     def __cinit__(self):
         self.reader_rank = -1
@@ -289,7 +290,7 @@ cdef class Arena:
         _u32(b, H_READERS)[0] = READERS_SHARED if shared_writes else READERS_ISOLATED
         # Magic last, released: an attacher that sees it sees the rest.
         fmq_store_u64_rel(_u64(b, H_MAGIC), C_MAGIC)
-        cdef Arena self = Arena.__new__(Arena)
+        cdef ArenaEnd self = ArenaEnd.__new__(ArenaEnd)
         self._bind(seg, -1)
         self.min_bytes = max(1, min_bytes)
         self.copy_threads = max(1, copy_threads)
@@ -374,7 +375,7 @@ cdef class Arena:
                                  % (name, mode, READERS_ISOLATED, READERS_SHARED))
         finally:
             c_close(fd)
-        cdef Arena self = Arena.__new__(Arena)
+        cdef ArenaEnd self = ArenaEnd.__new__(ArenaEnd)
         self._bind(seg, reader_rank)
         self.refs = <int *>calloc(n_slots, sizeof(int))
         self.ref_epoch = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
@@ -480,8 +481,8 @@ cdef class Arena:
         """Consulted by the pickler for every object that is not a builtin
         container/atom, so the common case returns after one subtype check.
 
-        It never diverts anything itself (buffers are diverted in
-        ``divert_buffer``); it makes sure that tensors which must not use the
+        It never puts anything in a slot itself (buffers are copied in
+        ``copy_to_slot``); it makes sure that tensors which must not use the
         arena do not, and counts them: unknown ``Tensor`` subclasses (their
         type could not be rebuilt from bytes), ``requires_grad``,
         conjugate/negative-bit, non-strided, and non-contiguous tensors.  The
@@ -523,7 +524,7 @@ cdef class Arena:
         return NotImplemented
 
     @cython.binding(False)   # called per message: a plain C method
-    def divert_buffer(self, buf):
+    def copy_to_slot(self, buf):
         """The pickler's buffer callback asks this first for every
         ``PickleBuffer``: returns a slot descriptor (bytes) to send out of
         band instead of the buffer, or None (the normal path).  Never
@@ -537,11 +538,11 @@ cdef class Arena:
         cdef Py_buffer view
         PyObject_GetBuffer(buf, &view, PyBUF_FULL_RO)
         try:
-            return self.divert(&view)
+            return self.view_to_slot(&view)
         finally:
             PyBuffer_Release(&view)
 
-    cdef object divert(self, Py_buffer *view):
+    cdef object view_to_slot(self, Py_buffer *view):
         cdef Py_ssize_t nbytes = view.len
         cdef char *ptr = <char *>view.buf
         cdef int slot
@@ -1100,7 +1101,7 @@ cdef class Arena:
         }
 
     def __repr__(self):
-        return "<fastmq Arena %r %s %d x %d>" % (
+        return "<fastmq ArenaEnd %r %s %d x %d>" % (
             self.name, "writer" if self.reader_rank < 0 else "reader %d" % self.reader_rank,
             self.n_slots, self.slot_bytes)
 
@@ -1134,7 +1135,7 @@ cdef class SlotBuffer:
 
     def __reduce_ex__(self, protocol):
         # Forwarded to another queue: as a buffer (which that queue's arena
-        # may divert again), rebuilt as a memoryview over whatever arrives.
+        # may copy to a slot again), rebuilt as a memoryview over whatever arrives.
         if protocol >= 5:
             return memoryview, (PickleBuffer(self),)
         return bytearray, (bytes(self),)

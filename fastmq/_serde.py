@@ -74,7 +74,7 @@ def _base_dispatch_table() -> dict:
     return table
 
 
-class _DivertingPickler(pickle.Pickler):
+class _OverridePickler(pickle.Pickler):
     """A pickler whose ``reducer_override`` is a given callable.
 
     It is set as an instance attribute before ``Pickler.__init__`` (which
@@ -86,21 +86,21 @@ class _DivertingPickler(pickle.Pickler):
         super().__init__(file, **kw)
 
 
-class _Sink:
+class _OobBuffers:
     """Collects one message's out-of-band buffers (the pickler's
     ``buffer_callback``).  Separate from the Encoder so that the pickler does
     not reference the object that owns it."""
 
-    __slots__ = ("buffers", "divert", "oob_min")
+    __slots__ = ("buffers", "to_slot", "oob_min")
 
-    def __init__(self, divert, oob_min: int):
+    def __init__(self, to_slot, oob_min: int):
         self.buffers: list = [b""]
-        self.divert = divert
+        self.to_slot = to_slot
         self.oob_min = oob_min
 
     def on_buffer(self, buf: PickleBuffer) -> bool:
-        if self.divert is not None:
-            desc = self.divert(buf)
+        if self.to_slot is not None:
+            desc = self.to_slot(buf)
             if desc is not None:
                 self.buffers.append(desc)
                 return False
@@ -114,30 +114,31 @@ class _Sink:
 class Encoder:
     """Turns an object into ``[pickle stream, oob buffer, ...]``.
 
-    ``diverter`` (the tensor arena) may claim large buffers first: its
-    ``divert_buffer(buf)`` is asked for every ``PickleBuffer`` and may return
-    a small descriptor to send out of band instead of the bytes, and its
-    ``reducer_override(obj)`` is the pickler's (see ``fastmq._arena``): the
-    bound (Cython) method itself, since the pickler calls it for every object
-    that is not a builtin container or atom.
+    ``arena`` (the writer's end of the tensor arena) may claim large buffers
+    first: its ``copy_to_slot(buf)`` is asked for every ``PickleBuffer`` and
+    may return a small slot descriptor to send out of band instead of the
+    bytes, and its ``reducer_override(obj)`` is the pickler's (see
+    ``fastmq._arena``): the core's bound (Cython) method itself, since the
+    pickler calls it for every object that is not a builtin container or
+    atom.
     """
 
-    def __init__(self, diverter: Any = None, oob_min_bytes: int = OOB_MIN_BYTES):
+    def __init__(self, arena: Any = None, oob_min_bytes: int = OOB_MIN_BYTES):
         self._bio = io.BytesIO()
         self._copyreg_len = len(copyreg.dispatch_table)
         self._reducer_override = None
-        divert = None
-        if diverter is not None:
-            self._reducer_override = diverter.reducer_override
-            divert = getattr(diverter, "divert_buffer", None)
-        self._sink = _Sink(divert, oob_min_bytes)
+        to_slot = None
+        if arena is not None:
+            self._reducer_override = arena.reducer_override
+            to_slot = getattr(arena, "copy_to_slot", None)
+        self._oob = _OobBuffers(to_slot, oob_min_bytes)
         self._pickler = self._new_pickler()
 
     def _new_pickler(self):
-        cb = self._sink.on_buffer
+        cb = self._oob.on_buffer
         if self._reducer_override is not None:
-            p = _DivertingPickler(self._bio, self._reducer_override, protocol=5,
-                                  buffer_callback=cb)
+            p = _OverridePickler(self._bio, self._reducer_override, protocol=5,
+                                 buffer_callback=cb)
         else:
             p = pickle.Pickler(self._bio, protocol=5, buffer_callback=cb)
         p.dispatch_table = _base_dispatch_table()
@@ -151,8 +152,8 @@ class Encoder:
         bio = self._bio
         bio.seek(0)
         bio.truncate()
-        sink = self._sink
-        buffers = sink.buffers = [b""]
+        oob = self._oob
+        buffers = oob.buffers = [b""]
         pickler = self._pickler
         try:
             pickler.dump(obj)
@@ -163,7 +164,7 @@ class Encoder:
             raise
         finally:
             pickler.clear_memo()
-            sink.buffers = None
+            oob.buffers = None
         buffers[0] = bio.getvalue()
         return buffers
 

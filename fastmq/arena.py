@@ -1,7 +1,8 @@
 """The shared-memory tensor arena's Python surface: sizing, the
-``ShmTensorArena`` end object, and the per-process registry of attached
-arenas.  The mechanism (layout, flags, copy, descriptors, lifetimes) is in
-``fastmq._arena``; how a queue uses it is in ``fastmq.queue``.
+``ArenaWriter`` and ``ArenaReader`` ends (``ShmTensorArena`` makes either),
+and the per-process registry of attached arenas.  The mechanism (layout,
+flags, copy, descriptors, lifetimes) is in ``fastmq._arena``; how a queue
+uses it is in ``fastmq.queue``.
 
 The design is explained in docs/design.md, section "Tensor arena".
 
@@ -14,8 +15,8 @@ environment, else the default:
 keyword                 environment                    default      meaning
 ======================  =============================  ===========  ========================
 ``arena_slots``         ``FASTMQ_ARENA_SLOTS``         8            large buffers in flight
-``arena_slot_mb``       ``FASTMQ_ARENA_SLOT_MB``       256          largest divertible buffer
-``arena_min_mb``        ``FASTMQ_ARENA_MIN_MB``        8            smallest divertible buffer
+``arena_slot_mb``       ``FASTMQ_ARENA_SLOT_MB``       256          largest buffer in a slot
+``arena_min_mb``        ``FASTMQ_ARENA_MIN_MB``        8            smallest buffer in a slot
 ``arena_prefault``      ``FASTMQ_ARENA_PREFAULT``      ahead        ahead / off / all / N slots
 ``arena_copy_threads``  ``FASTMQ_ARENA_COPY_THREADS``  cpus/2 <= 4  threads of one large copy
 ``arena_readers``       ``FASTMQ_ARENA_READERS``       isolated     isolated / shared
@@ -38,10 +39,10 @@ import os
 import shutil
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from fastmq import _config, segments
-from fastmq._arena import Arena, ArenaError, SlotBuffer, is_descriptor, layout
+from fastmq._arena import ArenaEnd, ArenaError, SlotBuffer, is_descriptor, layout
 
 logger = logging.getLogger("fastmq")
 
@@ -201,13 +202,13 @@ def _check_space(total: int, n_slots: int, slot_bytes: int) -> None:
 # disappears with the last reference to that end (its queue and any view
 # over its slots), with no removal needed on shutdown(), which may run on a
 # different thread than an in-flight dequeue().
-_ARENAS: "weakref.WeakValueDictionary[str, ShmTensorArena]" = weakref.WeakValueDictionary()
+_ARENAS: "weakref.WeakValueDictionary[str, ArenaReader]" = weakref.WeakValueDictionary()
 # Why an arena named in a handle could not be attached here (deferred: the
 # queue still works; a message that uses the arena then raises this).
 _ATTACH_ERRORS: dict[str, str] = {}
 
 
-def attached(name: str) -> "ShmTensorArena | None":
+def attached(name: str) -> "ArenaReader | None":
     """The reader end of arena ``name`` attached in this process, if any."""
     return _ARENAS.get(name)
 
@@ -217,7 +218,7 @@ def attach_error(name: str) -> str | None:
 
 
 # -- ends ------------------------------------------------------------------------
-def _close_writer(core: Arena, creator_pid: int) -> None:
+def _close_writer(core: ArenaEnd, creator_pid: int) -> None:
     # The name goes now (no new attach); the mapping when the last
     # reference to the core does (the encoder, a writer-side view).
     core.close()
@@ -231,61 +232,47 @@ def _close_writer(core: Arena, creator_pid: int) -> None:
 
 
 class ShmTensorArena:
-    """One end of a tensor arena (vLLM's ``ShmTensorArena`` surface).
+    """One process's end of a tensor arena (vLLM's ``ShmTensorArena``
+    surface): an ``ArenaWriter`` or an ``ArenaReader``.
 
-    ``ShmTensorArena(n_reader, slot_bytes, n_slots)`` creates one (the
-    writer; ``readers="shared"`` lets readers write each other's tensors,
-    see the module docstring); with ``name`` and ``reader_rank`` it
-    attaches reader ``reader_rank``.  The writer's ``reducer_override`` and
-    ``divert_buffer`` and the reader's ``map_oob`` and ``flush_releases``
-    are the Cython core's bound methods, called directly by the pickler and
-    the ring.
+    ``ShmTensorArena(n_reader, slot_bytes, n_slots)`` creates an arena and
+    returns its ``ArenaWriter`` (``readers="shared"`` lets readers write
+    each other's tensors, see the module docstring); with ``name`` and
+    ``reader_rank`` it attaches and returns ``ArenaReader`` ``reader_rank``.
+    Either holds its ``ArenaEnd`` (the mapping and flags) as ``core``.
     """
 
-    def __init__(self, n_reader: int, slot_bytes: int = int(DEFAULT_SLOT_MB * MiB),
-                 n_slots: int = DEFAULT_SLOTS, name: str | None = None, reader_rank: int = -1,
-                 *, min_bytes: int = int(DEFAULT_MIN_MB * MiB), prefault: str | int = "ahead",
-                 copy_threads: int | None = None, readers: str = "isolated"):
+    is_creator: bool
+    core: ArenaEnd
+    name: str
+    n_reader: int
+    slot_bytes: int
+    n_slots: int
+    reader_rank: int
+    readers: str
+
+    def __new__(cls, n_reader: int, slot_bytes: int = int(DEFAULT_SLOT_MB * MiB),
+                n_slots: int = DEFAULT_SLOTS, name: str | None = None, reader_rank: int = -1,
+                *, min_bytes: int = int(DEFAULT_MIN_MB * MiB), prefault: str | int = "ahead",
+                copy_threads: int | None = None, readers: str = "isolated"):
+        role = ArenaWriter if name is None else ArenaReader
+        if not issubclass(role, cls):
+            raise TypeError(f"{cls.__name__}(..., name={name!r}) would be an {role.__name__}")
+        if name is None:
+            return ArenaWriter._create(n_reader, slot_bytes, n_slots, min_bytes=min_bytes,
+                                       prefault=prefault, copy_threads=copy_threads,
+                                       readers=readers)
+        return ArenaReader._attach(name, n_reader, slot_bytes, n_slots, reader_rank)
+
+    # No __init__: the object is complete when __new__ returns it, and
+    # object.__init__ ignores the constructor's arguments.
+
+    def _set_end(self, core: ArenaEnd, n_reader: int, slot_bytes: int, n_slots: int,
+                 reader_rank: int) -> None:
         self.n_reader = n_reader
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
         self.reader_rank = reader_rank
-        if name is None:
-            if prefault not in PREFAULT_MODES and not (isinstance(prefault, int) and prefault >= 0):
-                raise ValueError(f"prefault={prefault!r} must be one of {PREFAULT_MODES} or a "
-                                 "slot count")
-            if readers not in READER_MODES:
-                raise ValueError(f"readers={readers!r} must be one of {READER_MODES}")
-            total = layout(n_reader, n_slots, slot_bytes)[3]
-            _check_space(total, n_slots, slot_bytes)
-            seg = segments.create_segment("arena", total, "the fastmq tensor arena")
-            try:
-                core = Arena.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
-                                    copy_threads or default_copy_threads(), COPY_MIN_PART,
-                                    prefault != "off", readers == "shared")
-            except BaseException:
-                segments.forget_segment(seg.name)
-                seg.unlink()
-                seg.close()
-                raise
-            self.is_creator = True
-            self.min_bytes = core.min_bytes
-            self._finalizer = weakref.finalize(self, _close_writer, core, os.getpid())
-            if prefault == "all":
-                core.prefault(range(n_slots))
-            elif isinstance(prefault, int) and prefault > 0:
-                core.prefault(range(min(prefault, n_slots)))
-            self.reducer_override = core.reducer_override
-            self.divert_buffer = core.divert_buffer
-            self.commit = core.commit     # after a message is sent
-            self.abort = core.abort       # when it is not
-        else:
-            self.is_creator = False
-            core = Arena.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
-            self.map_oob = core.map_oob
-            self.flush_releases = core.flush_releases
-            _ARENAS[name] = self
-            _ATTACH_ERRORS.pop(name, None)
         self.core = core
         self.name = core.name
         self.readers = "isolated" if core.isolated else "shared"
@@ -296,30 +283,6 @@ class ShmTensorArena:
 
     def stats(self) -> dict:
         return self.core.stats()
-
-    def empty_tensor(self, shape, dtype=None):
-        """Writer: an uninitialised CPU tensor inside a free slot (sending
-        it copies nothing), or None if no slot is free or it does not fit
-        one.  Do not modify it after sending it until the readers are done
-        with it: they read this very memory."""
-        import torch
-
-        if dtype is None:
-            dtype = torch.get_default_dtype()
-        size = torch.Size((shape,) if isinstance(shape, int) else shape)
-        nbytes = size.numel() * dtype.itemsize
-        buf = self.core.reserve(nbytes)
-        if buf is None:
-            return None
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(size)
-
-    def close(self) -> None:
-        """Writer: remove the segment's name and stop background work now
-        (also done when this object is collected)."""
-        if self.is_creator:
-            self._finalizer()
-        else:
-            self.core.close()
 
     @property
     def address(self) -> int:
@@ -340,11 +303,127 @@ class ShmTensorArena:
                 f"{self.slot_bytes / MiB:g} MiB, readers {self.readers}>")
 
 
-class UnattachedArena:
-    """Stand-in for an arena named in a handle that this reader could not
-    attach: the queue keeps working, and only a message that actually uses
-    the arena raises, with the original reason (vLLM defers it the same
-    way)."""
+class ArenaWriter(ShmTensorArena):
+    """The writer's end: creates the segment, copies large buffers into
+    slots while a message is pickled, and removes the segment's name when
+    closed or collected."""
+
+    is_creator = True
+
+    @classmethod
+    def _create(cls, n_reader: int, slot_bytes: int, n_slots: int, *, min_bytes: int,
+                prefault: str | int, copy_threads: int | None, readers: str) -> "ArenaWriter":
+        if prefault not in PREFAULT_MODES and not (isinstance(prefault, int) and prefault >= 0):
+            raise ValueError(f"prefault={prefault!r} must be one of {PREFAULT_MODES} or a "
+                             "slot count")
+        if readers not in READER_MODES:
+            raise ValueError(f"readers={readers!r} must be one of {READER_MODES}")
+        total = layout(n_reader, n_slots, slot_bytes)[3]
+        _check_space(total, n_slots, slot_bytes)
+        seg = segments.create_segment("arena", total, "the fastmq tensor arena")
+        try:
+            core = ArenaEnd.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
+                                   copy_threads or default_copy_threads(), COPY_MIN_PART,
+                                   prefault != "off", readers == "shared")
+        except BaseException:
+            segments.forget_segment(seg.name)
+            seg.unlink()
+            seg.close()
+            raise
+        self = object.__new__(cls)
+        self._set_end(core, n_reader, slot_bytes, n_slots, -1)
+        self.min_bytes = core.min_bytes
+        self._finalizer = weakref.finalize(self, _close_writer, core, os.getpid())
+        if prefault == "all":
+            core.prefault(range(n_slots))
+        elif isinstance(prefault, int) and prefault > 0:
+            core.prefault(range(min(prefault, n_slots)))
+        return self
+
+    # The pickler calls these per object and per buffer: they hand out the
+    # core's bound methods, so no Python frame sits on that path.
+    @property
+    def reducer_override(self) -> Callable[[Any], Any]:
+        """The pickler's ``reducer_override`` (see ``ArenaEnd.reducer_override``)."""
+        return self.core.reducer_override
+
+    @property
+    def copy_to_slot(self) -> Callable[[Any], "bytes | None"]:
+        """``copy_to_slot(buf)``: copies a large ``PickleBuffer`` into a free
+        slot and returns its slot descriptor, or None (the buffer takes the
+        normal path)."""
+        return self.core.copy_to_slot
+
+    def commit(self) -> None:
+        """After a message is sent: its slots stay with the readers."""
+        self.core.commit()
+
+    def abort(self) -> None:
+        """When a message is not sent: its slots are free again."""
+        self.core.abort()
+
+    def reserve(self, nbytes: int) -> SlotBuffer | None:
+        """A writable ``SlotBuffer`` of ``nbytes`` in a free slot, or None."""
+        return self.core.reserve(nbytes)
+
+    def empty_tensor(self, shape, dtype=None):
+        """An uninitialised CPU tensor inside a free slot (sending it copies
+        nothing), or None if no slot is free or it does not fit one.  Do not
+        modify it after sending it until the readers are done with it: they
+        read this very memory."""
+        import torch
+
+        if dtype is None:
+            dtype = torch.get_default_dtype()
+        size = torch.Size((shape,) if isinstance(shape, int) else shape)
+        nbytes = size.numel() * dtype.itemsize
+        buf = self.core.reserve(nbytes)
+        if buf is None:
+            return None
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(size)
+
+    def close(self) -> None:
+        """Remove the segment's name and stop background work now (also
+        done when this object is collected)."""
+        self._finalizer()
+
+
+class ArenaReader(ShmTensorArena):
+    """A reader's end: maps the slots and turns the slot descriptors of a
+    received message into views of them."""
+
+    is_creator = False
+
+    @classmethod
+    def _attach(cls, name: str, n_reader: int, slot_bytes: int, n_slots: int,
+                reader_rank: int) -> "ArenaReader":
+        core = ArenaEnd.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
+        self = object.__new__(cls)
+        self._set_end(core, n_reader, slot_bytes, n_slots, reader_rank)
+        _ARENAS[name] = self
+        _ATTACH_ERRORS.pop(name, None)
+        return self
+
+    def map_oob(self, oob: list) -> list:
+        """A received message's out-of-band list with each slot descriptor
+        replaced by a ``SlotBuffer`` over its slot; ``ArenaError`` for a
+        stale or forged one."""
+        return self.core.map_oob(oob)
+
+    def flush_releases(self) -> None:
+        """Hand back slots whose last view died (CUDA-event gated where
+        this process pinned the arena)."""
+        self.core.flush_releases()
+
+    def close(self) -> None:
+        self.core.close()
+
+
+class MissingArenaReader:
+    """The reader end of an arena named in a handle that this reader could
+    not attach: the queue keeps working, and only a message that actually
+    uses the arena raises, with the original reason (vLLM defers it the
+    same way)."""
 
     def __init__(self, name: str, error: BaseException):
         self.name = name
@@ -364,10 +443,13 @@ class UnattachedArena:
     def stats(self) -> dict:
         return {"arena_attached": 0}
 
+    def close(self) -> None:
+        pass
+
 
 # -- queue integration -----------------------------------------------------------
 def create_for_queue(enable: Any, options: dict, n_local_reader: int,
-                     n_remote_reader: int) -> ShmTensorArena | None:
+                     n_remote_reader: int) -> "ArenaWriter | None":
     """The writer's arena for a new ``MessageQueue``, or None: off, no local
     readers, or a remote reader (it receives pickled bytes over TCP and
     could not map slots).  Options are validated even when the arena is off.
@@ -390,7 +472,8 @@ def create_for_queue(enable: Any, options: dict, n_local_reader: int,
         return None
 
 
-def attach_for_queue(handle: Any, reader_rank: int) -> "ShmTensorArena | UnattachedArena | None":
+def attach_for_queue(handle: Any,
+                     reader_rank: int) -> "ArenaReader | MissingArenaReader | None":
     ah = getattr(handle, "tensor_arena_handle", None)
     if ah is None:
         return None
@@ -404,9 +487,9 @@ def attach_for_queue(handle: Any, reader_rank: int) -> "ShmTensorArena | Unattac
     except Exception as e:
         logger.warning("fastmq: reader %d cannot attach tensor arena %s (%s: %s); messages "
                        "that use it will fail", reader_rank, name, type(e).__name__, str(e))
-        return UnattachedArena(name, e)
+        return MissingArenaReader(name, e)
 
 
-__all__ = ["ShmTensorArena", "UnattachedArena", "ArenaError", "ShmSpaceError", "SlotBuffer",
-           "ArenaSizing", "sizing", "wanted", "attached", "attach_error", "create_for_queue",
-           "attach_for_queue", "is_descriptor"]
+__all__ = ["ShmTensorArena", "ArenaWriter", "ArenaReader", "MissingArenaReader", "ArenaError",
+           "ShmSpaceError", "SlotBuffer", "ArenaSizing", "sizing", "wanted", "attached",
+           "attach_error", "create_for_queue", "attach_for_queue", "is_descriptor"]

@@ -248,7 +248,7 @@ def test_parameter_keeps_its_type_and_its_slot():
 
 def test_overflow_path_maps_descriptors_too():
     # A 1 MiB ring: the declined (non-contiguous) 2 MiB tensor forces the
-    # socket path, next to a diverted one.
+    # socket path, next to one copied into a slot.
     w, (r,) = _pair(max_chunk_bytes=1 * MiB, max_chunks=2)
     big = torch.randn(1024, 1024)
     nc = torch.randn(1024, 512).t()
@@ -436,7 +436,7 @@ def _descriptor(core, slot=0, offset=0, nbytes=16, epoch=1, token=None):
 def test_bogus_descriptors_raise_clear_errors():
     w, (r,) = _pair(slots=2, slot_mb=1)
     wc, rc = _core(w), _core(r)
-    desc = wc.divert_buffer(pickle.PickleBuffer(bytearray(MiB)))
+    desc = wc.copy_to_slot(pickle.PickleBuffer(bytearray(MiB)))
     wc.commit()
     ok = rc.map_oob([desc])[0]
     assert ok.nbytes == MiB and rc.reader_refs(0) == 1
@@ -454,7 +454,7 @@ def test_bogus_descriptors_raise_clear_errors():
     del ok
     assert rc.reader_refs(0) == 0
     # A descriptor is replayed after its slot was handed back and refilled.
-    desc2 = wc.divert_buffer(pickle.PickleBuffer(bytearray(MiB)))
+    desc2 = wc.copy_to_slot(pickle.PickleBuffer(bytearray(MiB)))
     wc.commit()
     with pytest.raises(A.ArenaError, match="stale"):
         rc.map_oob([desc])
@@ -512,7 +512,7 @@ def test_attach_failure_is_deferred():
     assert "FileNotFoundError" in A.attach_error("fastmq_0_arena_doesnotexist")
     w.enqueue({"small": 1})
     assert r.dequeue(timeout=10) == {"small": 1}
-    w.enqueue(torch.ones(MiB // 4))                      # 1 MiB: diverted
+    w.enqueue(torch.ones(MiB // 4))                      # 1 MiB: into a slot
     with pytest.raises(A.ArenaError, match="could not attach"):
         r.dequeue(timeout=10)
     # A mismatched geometry is refused the same way, naming what differs.

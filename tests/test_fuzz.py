@@ -256,7 +256,7 @@ def test_fuzz_arena_descriptors_and_flags():
 
     def round_trip(i):
         data = np.frombuffer(fz.safe_bytes(fz.rng.randrange(1, slot_bytes)), dtype=np.uint8)
-        desc = writer.divert_buffer(pickle.PickleBuffer(data))
+        desc = writer.copy_to_slot(pickle.PickleBuffer(data))
         writer.commit()
         assert desc is not None, i
         (view,) = reader.map_oob([desc])

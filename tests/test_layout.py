@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from fastmq import MessageQueue
-from fastmq._arena import Arena, ArenaError
+from fastmq._arena import ArenaEnd, ArenaError
 from fastmq._ring import RingEnd, SegmentMismatchError
 from fastmq._shm import Segment
 
@@ -52,10 +52,10 @@ def test_arena_attach_refuses_a_foreign_segment_and_another_version():
     n_reader, slot_bytes, n_slots, name = queue.tensor_arena.handle()
     old = _poke_u32(name, VERSION_OFFSET, 99)
     with pytest.raises(ArenaError, match="layout version 99"):
-        Arena.attach(name, n_reader, slot_bytes, n_slots, 0)
+        ArenaEnd.attach(name, n_reader, slot_bytes, n_slots, 0)
     _poke_u32(name, VERSION_OFFSET, old)
-    Arena.attach(name, n_reader, slot_bytes, n_slots, 0).close()
+    ArenaEnd.attach(name, n_reader, slot_bytes, n_slots, 0).close()
 
     ring_name = queue.export_handle().buffer_handle[3]
     with pytest.raises(ArenaError, match="not a fastmq tensor arena"):
-        Arena.attach(ring_name, n_reader, slot_bytes, n_slots, 0)
+        ArenaEnd.attach(ring_name, n_reader, slot_bytes, n_slots, 0)
