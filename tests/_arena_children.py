@@ -50,9 +50,10 @@ def check_message(msg, i: int, arena) -> list[str]:
     return errors
 
 
-def reader_main(handle, rank: int, n_msgs: int, handles_q) -> None:
-    """Read ``n_msgs`` messages, keep message 0 alive until told, ack each
-    message on a response queue after dropping it, then report."""
+def _attach_with_response_queue(handle, rank: int, handles_q):
+    """Reader ``rank`` of the writer's queue, a response queue whose handle
+    goes back on ``handles_q``, both past their handshake, and this
+    process's end of the writer's arena."""
     from fastmq import MessageQueue, arena
 
     r = MessageQueue.create_from_handle(handle, rank)
@@ -60,7 +61,13 @@ def reader_main(handle, rank: int, n_msgs: int, handles_q) -> None:
     handles_q.put((rank, resp.export_handle()))
     r.wait_until_ready()
     resp.wait_until_ready()
-    ar = arena.attached(handle.tensor_arena_handle[3])
+    return r, resp, arena.attached(handle.tensor_arena_handle[3])
+
+
+def reader_main(handle, rank: int, n_msgs: int, handles_q) -> None:
+    """Read ``n_msgs`` messages, keep message 0 alive until told, ack each
+    message on a response queue after dropping it, then report."""
+    r, resp, ar = _attach_with_response_queue(handle, rank, handles_q)
     errors: list[str] = []
     held = None
     for i in range(n_msgs):
@@ -92,14 +99,7 @@ def inplace_reader_main(handle, rank: int, n_msgs: int, shared: bool, handles_q)
     """Rank 0 adds 1 in place to every tensor it receives and keeps it;
     after the writer's ``"check"`` every rank compares what it holds with
     what it should see, then drops it and reports."""
-    from fastmq import MessageQueue, arena
-
-    r = MessageQueue.create_from_handle(handle, rank)
-    resp = MessageQueue(1, 1, enable_shm_tensor_arena=False)
-    handles_q.put((rank, resp.export_handle()))
-    r.wait_until_ready()
-    resp.wait_until_ready()
-    ar = arena.attached(handle.tensor_arena_handle[3])
+    r, resp, ar = _attach_with_response_queue(handle, rank, handles_q)
     for i in range(n_msgs):
         t = r.dequeue(timeout=60)
         want = inplace_tensor(i)

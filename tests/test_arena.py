@@ -782,13 +782,13 @@ def test_dev_shm_too_small(caplog):
 
 
 # -- end to end with reader processes ----------------------------------------------------
-@pytest.mark.parametrize("n_readers", [2, 3])
-def test_end_to_end_reader_processes(procs, spawn_ctx, n_readers):
-    n_msgs = 6
-    w = MessageQueue(n_readers, n_readers, arena_slots=8, arena_slot_mb=4, arena_min_mb=1)
+def _reader_processes(procs, spawn_ctx, w, n_readers, target, *args) -> dict:
+    """Start ``n_readers`` processes running ``target(handle, rank, *args,
+    hq)``, each of which sends back the handle of its own response queue;
+    returns those queues by rank, with every handshake done."""
     hq = spawn_ctx.Queue()
     for rank in range(n_readers):
-        procs.start(ac.reader_main, w.export_handle(), rank, n_msgs, hq)
+        procs.start(target, w.export_handle(), rank, *args, hq)
     resps = {}
     for _ in range(n_readers):
         rank, h = hq.get(timeout=120)
@@ -798,6 +798,14 @@ def test_end_to_end_reader_processes(procs, spawn_ctx, n_readers):
     for q in resps.values():
         q.wait_until_ready()
     t.join(60)
+    return resps
+
+
+@pytest.mark.parametrize("n_readers", [2, 3])
+def test_end_to_end_reader_processes(procs, spawn_ctx, n_readers):
+    n_msgs = 6
+    w = MessageQueue(n_readers, n_readers, arena_slots=8, arena_slot_mb=4, arena_min_mb=1)
+    resps = _reader_processes(procs, spawn_ctx, w, n_readers, ac.reader_main, n_msgs)
     core = _core(w)
 
     def acks(tag):
@@ -840,18 +848,8 @@ def test_in_place_writes_across_reader_processes(procs, spawn_ctx, mode):
     n_readers, n_msgs = 2, 3
     w = MessageQueue(n_readers, n_readers, arena_slots=1, arena_slot_mb=4, arena_min_mb=1,
                      arena_readers=mode)
-    hq = spawn_ctx.Queue()
-    for rank in range(n_readers):
-        procs.start(ac.inplace_reader_main, w.export_handle(), rank, n_msgs, mode == "shared", hq)
-    resps = {}
-    for _ in range(n_readers):
-        rank, h = hq.get(timeout=120)
-        resps[rank] = MessageQueue.create_from_handle(h, 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    for q in resps.values():
-        q.wait_until_ready()
-    t.join(60)
+    resps = _reader_processes(procs, spawn_ctx, w, n_readers, ac.inplace_reader_main, n_msgs,
+                              mode == "shared")
     core = _core(w)
     for i in range(n_msgs):
         w.enqueue(ac.inplace_tensor(i), timeout=60)

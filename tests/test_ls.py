@@ -62,11 +62,11 @@ def _remove_files_of(pid: int) -> None:
             pass
 
 
-def _readme_ls_block() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    i = readme.index("### What is running: `fastmq ls`")
-    start = readme.index("```\n$ fastmq ls\n", i) + len("```\n$ fastmq ls\n")
-    return readme[start:readme.index("\n\n", start)].splitlines()
+def _documented_ls_block() -> list[str]:
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    i = doc.index("## Inspecting: `fastmq ls`")
+    start = doc.index("```\n$ fastmq ls\n", i) + len("```\n$ fastmq ls\n")
+    return doc[start:doc.index("\n\n", start)].splitlines()
 
 
 def _shape(lines: list[str]) -> list[list[str]]:
@@ -172,8 +172,9 @@ def test_ls_live_queue_positions_parked_dead_reader_and_dead_writer(procs, spawn
         assert q["arena"]["slots_in_use"][0]["readers"][1]["state"] == "dead"
         block = _block(format_text(list_queues()), ring)
         assert _row(block, 2)[1:] == [str(readers[2].pid), "-", "dead", "0", "3"]
-        # The README shows this very state (tests/_ls_children.py makes it).
-        assert _shape(block) == _shape(_readme_ls_block()), "README's fastmq ls is stale"
+        # docs/operations.md shows this very state (tests/_ls_children.py makes it).
+        assert _shape(block) == _shape(_documented_ls_block()), (
+            "the fastmq ls output in docs/operations.md is stale")
 
         # A dead writer.  A reader waiting in dequeue() would notice and
         # remove the dead writer's files (as it should); stop the one that

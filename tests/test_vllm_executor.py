@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -182,7 +183,15 @@ def test_vllms_own_queue_with_fastmq_vllm_0(vllm_run):
     assert a["engine_args"] is False and a["cli_default"] is False and a["cli_on"] is True
     assert r["arena_flag"] is False
     assert r["alive_after_shutdown"] == []
-    assert r["segments"] and r["segments_after_shutdown"] == []
+    # vLLM's own segments: unlinked by its workers, or by the engine's
+    # resource tracker once the engine process has exited (which the run
+    # has by now; the tracker may take a moment more).
+    assert r["segments"]
+    print(f"vLLM's queue segments left right after shutdown(): {r['segments_after_shutdown']}")
+    settle = time.monotonic() + 30
+    while any(os.path.exists(p) for p in r["segments"]) and time.monotonic() < settle:
+        time.sleep(0.1)
+    assert [p for p in r["segments"] if os.path.exists(p)] == []
     # vLLM's own queue leaves its ipc socket files (ipc://$TMPDIR/<uuid4>)
     # behind after shutdown; said here so that a change shows.
     uuid = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}$")

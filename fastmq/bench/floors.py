@@ -55,31 +55,43 @@ def _floor_module():
 SPIN_NS = 2_000
 
 
-def floor_reader(name: str, n: int, rank: int, conn, timeout_s: float, spin_ns: int) -> None:
-    """Reader process of the step floor: runs the rounds it is told to."""
+def _report_failure(conn, e: BaseException) -> None:
+    """Tell the parent why this reader process stops, then stop it."""
+    try:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    except BaseException:
+        pass
+    raise SystemExit(1)
+
+
+def _serve_rounds(name: str, conn, run) -> None:
+    """A floor reader process: attach segment ``name``, then ``run(seg, cmd)``
+    for each command the parent sends, until it sends None."""
     signal.signal(signal.SIGTERM, _on_sigterm)
     from fastmq._shm import Segment
 
-    _floor = _floor_module()
     seg = Segment.attach(name)
     try:
         conn.send(("ready", os.getpid()))
-        while True:
-            cmd = conn.recv()
-            if cmd is None:
-                break
-            size, first, rounds = cmd
-            dst = np.zeros(size, dtype=np.uint8)
-            _floor.pingpong_reader(seg, n, rank, dst, first, rounds, timeout_s, spin_ns)
+        while (cmd := conn.recv()) is not None:
+            run(seg, cmd)
             conn.send(("ok",))
     except BaseException as e:
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except BaseException:
-            pass
-        raise SystemExit(1)
+        _report_failure(conn, e)
     finally:
         seg.close()
+
+
+def floor_reader(name: str, n: int, rank: int, conn, timeout_s: float, spin_ns: int) -> None:
+    """Reader process of the step floor: runs the rounds it is told to."""
+    _floor = _floor_module()
+
+    def rounds(seg, cmd) -> None:
+        size, first, count = cmd
+        dst = np.zeros(size, dtype=np.uint8)
+        _floor.pingpong_reader(seg, n, rank, dst, first, count, timeout_s, spin_ns)
+
+    _serve_rounds(name, conn, rounds)
 
 
 def step_floor(env, n: int, params, progress) -> list[dict]:
@@ -193,28 +205,13 @@ def memcpy_floor(sizes: list[int]) -> list[dict]:
 # long as it does before each fastmq wake sample
 
 def _wake_futex_reader(name: str, n: int, rank: int, conn, timeout_s: float) -> None:
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    from fastmq._shm import Segment
-
     _floor = _floor_module()
-    seg = Segment.attach(name)
-    try:
-        conn.send(("ready", os.getpid()))
-        while True:
-            cmd = conn.recv()
-            if cmd is None:
-                break
-            first, rounds = cmd
-            _floor.wake_reader(seg, n, rank, first, rounds, timeout_s)
-            conn.send(("ok",))
-    except BaseException as e:
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except BaseException:
-            pass
-        raise SystemExit(1)
-    finally:
-        seg.close()
+
+    def rounds(seg, cmd) -> None:
+        first, count = cmd
+        _floor.wake_reader(seg, n, rank, first, count, timeout_s)
+
+    _serve_rounds(name, conn, rounds)
 
 
 def _now() -> int:
@@ -239,11 +236,7 @@ def _wake_pipe_reader(stamps, answers, conn) -> None:
                                                                       signed=True))
         conn.send(("ok",))
     except BaseException as e:
-        try:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        except BaseException:
-            pass
-        raise SystemExit(1)
+        _report_failure(conn, e)
     finally:
         stamps.close()
         answers.close()

@@ -473,13 +473,16 @@ def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def summary(result: dict, md: bool) -> str:
+def summary(result: dict, md: bool, headline_readers: tuple[int, ...] | None = None) -> str:
+    """The summary table (only the reader counts in ``headline_readers``,
+    if given) and the large-tensor matrix (every reader count)."""
     recs = result["records"]
     runs = max((r.get("runs", 1) for r in recs), default=1)
     how = (f"median of {runs} runs, (min..max) over the runs" if runs > 1 else
            "one run (not a median of repeated runs)")
     parts = []
-    rows = headline(recs)
+    rows = headline([r for r in recs if headline_readers is None
+                     or r["n_readers"] in headline_readers])
     if rows:
         title = f"summary: fastmq against vLLM 0.33.0 and the floors ({how})"
         parts.append((f"### {title}\n\n{RATIO_RULE[0].upper() + RATIO_RULE[1:]}.\n\n" if md
@@ -544,7 +547,9 @@ def readme_block(result: dict, json_path: str = "bench/results.json") -> str:
     ]
     if busy:
         lines += ["**" + busy[0] + "**", ""]
-    lines += [summary(result, md=True), "", README_END]
+    lines += [summary(result, md=True, headline_readers=(1,)), "",
+              "The summary at N=2 and N=4 readers (oversubscribed on this machine): "
+              "[bench/RESULTS.md](bench/RESULTS.md).", "", README_END]
     return "\n".join(lines)
 
 
