@@ -135,6 +135,9 @@ class LocalReader(_ReaderEnd):
                 self.buffer.close()
             raise
         self.zmq = (context, sockets, [])
+        # The arena core's bound method, taken once: it runs per message.
+        self._flush_arena_releases = (self.tensor_arena.flush_releases
+                                      if self.tensor_arena is not None else None)
 
     def wait_until_ready(self) -> None:
         self._receive_handshake(self.local_socket)
@@ -197,36 +200,30 @@ class LocalReader(_ReaderEnd):
 
     # -- messages ---------------------------------------------------------------
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
-        arena = self.tensor_arena
-        if arena is not None:
+        if self._flush_arena_releases is not None:
             # Hand back arena slots whose last view died (CUDA-event gated
             # where this process pinned the arena).
-            arena.flush_releases()
+            self._flush_arena_releases()
         ring = self.ring
-        status = ring.wait_next(timeout)
-        if status != READY:
-            self._keep_waiting(status, indefinite)
-        idx = ring.current_idx
-        release = True
+        frames = ring.read_frames(timeout)
+        if frames.__class__ is int:
+            # A wait status: act on it; then the chunk is ready and the read
+            # does not wait again.
+            self._keep_waiting(frames, indefinite)
+            frames = ring.read_frames(timeout)
+        if frames is None:
+            # An overflow mark.  Its payload left the writer before the mark
+            # was published: it is here or nearly, so it gets its own (full)
+            # timeout rather than a clock read on every dequeue().
+            return self._recv_overflow(_sockets.deadline(timeout))
+        stream, oob, held = frames
+        if held < 0:    # the ring copied the stream out and released the chunk
+            return decode(stream, oob, self.tensor_arena)
         try:
-            frames = ring.read_frames()
-            if frames is None:
-                # An overflow mark: the chunk stays unread until its payload
-                # is here, so a timeout below consumes nothing.
-                release = False
-            else:
-                stream, oob = frames
-                try:
-                    return decode(stream, oob, arena)
-                finally:
-                    stream.release()
+            return decode(stream, oob, self.tensor_arena)
         finally:
-            if release:
-                ring.release_read(idx)
-        # The payload left the writer before the mark was published: it is
-        # here or nearly, so it gets its own (full) timeout rather than a
-        # clock read on every dequeue().
-        return self._recv_overflow(_sockets.deadline(timeout))
+            stream.release()
+            ring.release_read(held)
 
     def _recv_overflow(self, until: float | None) -> Any:
         """The payload of the overflow mark in the current chunk.  The

@@ -66,6 +66,7 @@ cdef class RingEnd:
     cdef int spin_until(self, int idx, int64_t until_ns) nogil
     cdef int park_futex(self, int idx, int64_t timeout_ns) nogil
     cdef int park_zmq(self, int idx, int64_t timeout_ns) except -1
+    cdef int begin_wait(self, object timeout) except -1
     cdef int wait_loop(self) except -1
     cdef int spin_then_park(self) except -1
     cdef int between_slices(self, int idx) except -1
@@ -73,6 +74,7 @@ cdef class RingEnd:
     cdef bint find_dead_reader(self, int idx) except -1
     cdef inline bint closed_by_writer(self) noexcept
     cdef int writer_state(self) except -1
+    cdef object take_frames(self, int idx, char *c)
     cdef int publish(self, int idx) except -1
     cdef int release_chunk(self, int idx) except -1
     cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1

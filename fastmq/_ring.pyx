@@ -59,6 +59,7 @@ publish, so no wakeup is lost; a busy pipeline (nobody parked) pays no
 syscall.  Parked waiters also wake every PARK_SLICE as a safety net.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport INT64_MAX, uint8_t, uint32_t, uint64_t, int64_t
@@ -87,6 +88,7 @@ cdef enum:
     FRAME_HEAD = 8
     MARK_BYTES = 16
     RESERVE_STEP = 65536   # pages are reserved in steps of this many bytes
+    COPY_STREAM_MAX = 65536  # read_frames copies a pickle stream this small out
 
 # Wait modes; the Python layer maps names to these.
 WAIT_SPIN = 0
@@ -364,6 +366,9 @@ cdef class RingEnd:
         is cancelled -- at once, even when the chunk is ready: shutdown()
         stops a busy end too, not only an idle one."""
         self._check_open()
+        return self.begin_wait(timeout)
+
+    cdef int begin_wait(self, object timeout) except -1:
         if fmq_load_u32_acq(&self.cancelled):
             raise RuntimeError("cancelled")
         cdef int idx = self.current_idx
@@ -650,14 +655,17 @@ cdef class RingEnd:
             total = _align(total, 8) + memoryview(b).nbytes
         return total
 
-    def send(self, list buffers):
-        """Frame ``buffers`` into the next chunk (``wait_next()`` returned
-        ``READY`` for it) and publish it.
+    def send(self, list buffers, timeout=None):
+        """Wait for the next chunk (as ``wait_next``), frame ``buffers`` into
+        it and publish it.
 
-        Returns the framed size, or 0, touching nothing, when the framed
-        message does not fit a chunk (the caller then takes the overflow
-        path).  ``ShmFullError`` when /dev/shm cannot back the chunk's
-        pages: nothing is published and the ring stays usable.
+        Returns the framed size; 0, without waiting or touching anything,
+        when the framed message does not fit a chunk (the caller then takes
+        the overflow path); or, with nothing sent, a wait status negated
+        (``-LONG_WAIT``, ``-READER_DIED``): the caller acts on it, goes on
+        with ``continue_wait()`` until ``READY``, and sends again.
+        ``ShmFullError`` when /dev/shm cannot back the chunk's pages:
+        nothing is published and the ring stays usable.
         """
         self._check_writer()
         cdef Py_ssize_t n = len(buffers)
@@ -666,7 +674,7 @@ cdef class RingEnd:
         if views == NULL:
             raise MemoryError()
         cdef Py_ssize_t got = 0
-        cdef int idx
+        cdef int idx, status
         cdef char *c
         cdef Py_ssize_t off
         try:
@@ -677,8 +685,10 @@ cdef class RingEnd:
                 total = _align(total, 8) + views[i].len
             if total > self.max_chunk_bytes:
                 return 0
+            status = self.begin_wait(timeout)
+            if status != ST_READY:
+                return -status
             idx = self.current_idx
-            self._check_turn(idx)
             self.reserve_chunk(idx, total)
             c = self.chunk(idx)
             with nogil:
@@ -749,26 +759,44 @@ cdef class RingEnd:
         cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes
         return self.data_view[s:s + self.max_chunk_bytes]
 
-    def read_frames(self):
-        """The frames of the message in this reader's current chunk
-        (``wait_next()`` returned ``READY`` for it): ``(stream, oob)``, a
-        memoryview of the pickle stream inside the chunk and the
-        out-of-band buffers copied out (a chunk is reused; a tensor over
-        its buffer may live on).  ``None`` for an overflow mark: then
-        ``overflow_id`` names the socket message that carries the payload.
+    def read_frames(self, timeout=None):
+        """Wait for this reader's next chunk (as ``wait_next``) and return
+        the frames of its message: ``(stream, oob, held)``.
 
-        The chunk stays unread until ``release_read(current_idx)``: the
-        caller releases it once it has decoded the stream (or, for a mark,
-        received the payload), also when that fails.  Every length is
-        validated before any payload byte is touched."""
+        ``oob`` are the out-of-band buffers, copied out (a chunk is reused;
+        a tensor over its buffer may live on).  A pickle stream of up to
+        ``COPY_STREAM_MAX`` bytes is copied out too and the chunk is marked
+        read at once (``held == -1``): a copy that small costs less than
+        another call.  A larger ``stream`` is a memoryview inside the chunk,
+        which stays unread until ``release_read(held)``: the caller releases
+        it once it has decoded the stream, also when that fails.
+
+        ``None`` for an overflow mark: ``overflow_id`` names the socket
+        message that carries the payload, and the chunk stays unread until
+        ``release_read(current_idx)``.  An ``int`` is a wait status
+        (``LONG_WAIT``, ``WRITER_CLOSED``, ``WRITER_DIED``): the caller acts
+        on it, goes on with ``continue_wait()`` until ``READY``, and reads
+        again.  Every length is validated before any payload byte is
+        touched; a chunk whose framing is invalid is marked read (the next
+        message arrives intact) and raises ``CorruptChunkError``."""
         self._check_reader()
+        cdef int status = self.begin_wait(timeout)
+        if status != ST_READY:
+            return status
         cdef int idx = self.current_idx
-        self._check_turn(idx)
         cdef char *c = self.chunk(idx)
         cdef uint8_t overflow = (<uint8_t *>c)[0]
         if overflow == 1:
             self.overflow_id = (<uint64_t *>(c + 8))[0]
             return None
+        try:
+            return self.take_frames(idx, c)
+        except CorruptChunkError:
+            self.release_chunk(idx)
+            raise
+
+    cdef object take_frames(self, int idx, char *c):
+        cdef uint8_t overflow = (<uint8_t *>c)[0]
         if overflow != 0:
             raise CorruptChunkError("fastmq ring chunk %d: bad overflow mark %d" % (idx, overflow))
         cdef uint64_t cap = self.max_chunk_bytes
@@ -808,8 +836,13 @@ cdef class RingEnd:
                 memcpy(dst, c + off, ln)
             oob.append(ba)
             off += ln
+        cdef object stream
+        if len0 <= COPY_STREAM_MAX:
+            stream = PyBytes_FromStringAndSize(c + start0, len0)
+            self.release_chunk(idx)
+            return stream, oob, -1
         cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes + start0
-        return self.data_view[s:s + len0], oob
+        return self.data_view[s:s + len0], oob, idx
 
     # -- peers (header fields other modules read) --------------------------
     @property

@@ -83,6 +83,7 @@ class QueueWriter:
         self._remote_pending = None  # tracker of a remote message not yet flushed
         self._remote_broken = None  # why remote readers can no longer be served
         self._notify_failure_logged = False
+        self._zmq_wakeup = False     # the ring notifies parked readers on a ZMQ socket
         self.buffer = self.ring = self.tensor_arena = None
         self.local_socket = self.notify_socket = self.remote_socket = None
         context = zmq.Context()
@@ -120,6 +121,7 @@ class QueueWriter:
                     paths.append(path)
                     segments.remove_at_exit([path])
                     ring.use_zmq_wakeup(notify)
+                    self._zmq_wakeup = True
                 from fastmq import arena
 
                 self.tensor_arena = arena.create_for_queue(
@@ -154,6 +156,9 @@ class QueueWriter:
             raise
         self.zmq = (context, sockets, paths)
         self.encoder = Encoder(self.tensor_arena)
+        # The arena core's bound method, taken once: it runs per message.
+        self._commit_arena = (self.tensor_arena.commit
+                              if self.tensor_arena is not None else None)
         self.handle = Handle(
             local_reader_ranks=list(local_reader_ranks),
             buffer_handle=BufferHandle(*self.buffer.handle()) if self.buffer else None,
@@ -269,16 +274,21 @@ class QueueWriter:
                 if self.n_remote_reader == 0:
                     # The clock is read only for a finite timeout: the
                     # overflow path's flush shares it with the ring wait.
-                    until = None if timeout is None else _sockets.deadline(timeout)
-                    status = ring.wait_next(timeout)
-                    if status != READY:
-                        self._keep_waiting(status)
-                    framed = ring.send(buffers)
+                    framed = ring.send(buffers, timeout)
+                    if framed < 0:
+                        # A wait status (nothing sent): act on it, then the
+                        # chunk is free and the send does not wait again.
+                        self._keep_waiting(-framed)
+                        framed = ring.send(buffers, timeout)
                     if framed:
                         stats = self.stats_
                         stats.ring_messages += 1
                         stats.ring_bytes += framed
                     else:
+                        # Too big for a chunk (send waited for nothing): one
+                        # deadline covers the wait for a chunk and the flush.
+                        until = _sockets.deadline(timeout)
+                        self._wait_turn(timeout)
                         self._send_overflow(buffers, until)
                 else:
                     remote = self._send_with_remote(buffers, timeout)
@@ -293,8 +303,8 @@ class QueueWriter:
                         arena.abort()
                 raise
             if arena is not None:
-                arena.commit()
-            if ring is not None and ring.notify_errors and not self._notify_failure_logged:
+                self._commit_arena()
+            if self._zmq_wakeup and ring.notify_errors and not self._notify_failure_logged:
                 self._log_notify_failure()
             if remote is not None:
                 self._flush_remote(remote, _sockets.deadline(timeout))

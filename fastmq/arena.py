@@ -354,13 +354,16 @@ class ArenaWriter(ShmTensorArena):
         normal path)."""
         return self.core.copy_to_slot
 
-    def commit(self) -> None:
-        """After a message is sent: its slots stay with the readers."""
-        self.core.commit()
+    # Once per message: the queue's writer takes these bound methods once.
+    @property
+    def commit(self) -> Callable[[], None]:
+        """``commit()`` after a message is sent: its slots stay with the readers."""
+        return self.core.commit
 
-    def abort(self) -> None:
-        """When a message is not sent: its slots are free again."""
-        self.core.abort()
+    @property
+    def abort(self) -> Callable[[], None]:
+        """``abort()`` when a message is not sent: its slots are free again."""
+        return self.core.abort
 
     def reserve(self, nbytes: int) -> SlotBuffer | None:
         """A writable ``SlotBuffer`` of ``nbytes`` in a free slot, or None."""
@@ -404,16 +407,19 @@ class ArenaReader(ShmTensorArena):
         _ATTACH_ERRORS.pop(name, None)
         return self
 
-    def map_oob(self, oob: list) -> list:
-        """A received message's out-of-band list with each slot descriptor
-        replaced by a ``SlotBuffer`` over its slot; ``ArenaError`` for a
-        stale or forged one."""
-        return self.core.map_oob(oob)
+    # Once per message: the queue's reader takes these bound methods once.
+    @property
+    def map_oob(self) -> Callable[[list], list]:
+        """``map_oob(oob)``: a received message's out-of-band list with each
+        slot descriptor replaced by a ``SlotBuffer`` over its slot;
+        ``ArenaError`` for a stale or forged one."""
+        return self.core.map_oob
 
-    def flush_releases(self) -> None:
-        """Hand back slots whose last view died (CUDA-event gated where
-        this process pinned the arena)."""
-        self.core.flush_releases()
+    @property
+    def flush_releases(self) -> Callable[[], None]:
+        """``flush_releases()``: hand back slots whose last view died
+        (CUDA-event gated where this process pinned the arena)."""
+        return self.core.flush_releases
 
     def close(self) -> None:
         self.core.close()
