@@ -272,8 +272,6 @@ class QueueWriter:
             try:
                 buffers = self.encoder.encode(obj)
                 if self.n_remote_reader == 0:
-                    # The clock is read only for a finite timeout: the
-                    # overflow path's flush shares it with the ring wait.
                     framed = ring.send(buffers, timeout)
                     if framed < 0:
                         # A wait status (nothing sent): act on it, then the
