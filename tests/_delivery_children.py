@@ -27,15 +27,11 @@ def check(msg: dict, want_seq: int) -> None:
         raise AssertionError(f"message {want_seq}: payload does not match its checksum")
 
 
-def writer_then_exit(conn, sizes, how, wait_mode):
-    """Create a writer for one local reader, hand its handle over ``conn``,
-    enqueue one message per size, then leave: ``exit`` (sys.exit),
-    ``drop`` (drop the queue, then exit) or ``kill`` (SIGKILL itself right
-    after the last enqueue() returned)."""
-    from fastmq import MessageQueue
-
-    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=4, wait_mode=wait_mode,
-                      enable_shm_tensor_arena=False)
+def _send_then_leave(make_queue, conn, sizes, how) -> None:
+    """Make the writer (here, so that ``drop`` drops the only reference),
+    hand its handle over ``conn``, enqueue one message per size, then leave
+    as ``how`` says (see ``writer_then_exit``)."""
+    mq = make_queue()
     conn.send(mq.export_handle())
     mq.wait_until_ready()
     for seq, size in enumerate(sizes):
@@ -47,18 +43,23 @@ def writer_then_exit(conn, sizes, how, wait_mode):
     sys.exit(0)
 
 
+def writer_then_exit(conn, sizes, how, wait_mode):
+    """Create a writer for one local reader, hand its handle over ``conn``,
+    enqueue one message per size, then leave: ``exit`` (sys.exit),
+    ``drop`` (drop the queue, then exit) or ``kill`` (SIGKILL itself right
+    after the last enqueue() returned)."""
+    from fastmq import MessageQueue
+
+    _send_then_leave(lambda: MessageQueue(1, 1, max_chunk_bytes=1 << 20, max_chunks=4,
+                                          wait_mode=wait_mode, enable_shm_tensor_arena=False),
+                     conn, sizes, how)
+
+
 def remote_writer_then_exit(conn, sizes, how):
     """As ``writer_then_exit`` for one remote reader (TCP)."""
     from fastmq import MessageQueue
 
-    mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    conn.send(mq.export_handle())
-    mq.wait_until_ready()
-    for seq, size in enumerate(sizes):
-        mq.enqueue(message(seq, size))
-    if how == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    sys.exit(0)
+    _send_then_leave(lambda: MessageQueue(1, 0, connect_ip="127.0.0.1"), conn, sizes, how)
 
 
 def stress_reader(handle, rank, seed, out):

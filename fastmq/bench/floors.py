@@ -140,15 +140,7 @@ def step_floor(env, n: int, params, progress) -> list[dict]:
                 raise BenchError(f"floor (step, N={n}): reader {rank} did not exit cleanly "
                                  f"(exit code {p.exitcode})")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in conns:
-            c.close()
+        _stop(procs, conns)
         segments.forget_segment(seg.name)
         seg.unlink()
         seg.close()
