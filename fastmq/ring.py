@@ -84,8 +84,16 @@ class ShmRingBuffer:
         self.segment: Segment | None = None
         if name is None:
             self.is_creator = True
+            # The writer reserves a chunk's pages as messages first reach
+            # them (ShmFullError for one that does not fit): what must fit
+            # now is the header and one chunk, the largest message the ring
+            # carries, not the whole ring (which is why vLLM's default 16 MiB
+            # x 10 ring serves in Docker's 64 MiB /dev/shm).
             seg = create_segment("ring", self.total_bytes_of_buffer,
-                                 "the message queue ring buffer")
+                                 "the message queue ring buffer (its header and one "
+                                 f"{max_chunk_bytes / (1 << 20):g} MiB chunk)",
+                                 required=layout(n_reader, max_chunk_bytes, max_chunks)[2]
+                                 + max_chunk_bytes)
             try:
                 pid, started = _proc.me()
                 self.ring = RingEnd.create(

@@ -33,13 +33,15 @@ def check_shm_free_space(
     the middle of a copy.
     """
     if os.path.isdir(shm_path):
-        free = shutil.disk_usage(shm_path).free
+        usage = shutil.disk_usage(shm_path)
+        free = usage.free
         if required_bytes > free:
             mib = 1 << 20
             raise RuntimeError(
                 f"Insufficient space in {shm_path} for {allocation_name}: "
                 f"{required_bytes / mib:.0f} MiB required, {free / mib:.0f} MiB "
-                f"free. Increase {shm_path} (e.g. --shm-size or --ipc=host) or "
+                f"free of {usage.total / mib:.0f} MiB. Increase {shm_path} (e.g. "
+                "--shm-size or --ipc=host) or "
                 "lower FASTMQ_MAX_CHUNK_MB / FASTMQ_MAX_CHUNKS."
             )
 
@@ -93,8 +95,10 @@ def new_segment_name(kind: str) -> str:
     return f"{SEGMENT_PREFIX}{os.getpid()}_{kind}_{secrets.token_hex(6)}"
 
 
-def create_segment(kind: str, size: int, what: str) -> Segment:
-    check_shm_free_space(size, allocation_name=what)
+def create_segment(kind: str, size: int, what: str, required: int | None = None) -> Segment:
+    # ``required``: what must fit now, when the segment reserves its pages as
+    # they are first used (the ring), instead of its whole size.
+    check_shm_free_space(size if required is None else required, allocation_name=what)
     seg = Segment.create(new_segment_name(kind), size)
     _owned_segments[seg.name] = os.getpid()
     return seg

@@ -27,8 +27,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import re
+import shutil
 import sys
 import threading
 import types
@@ -41,6 +43,9 @@ FIELD = "enable_shm_tensor_arena"
 # pulls in the model stack, and this may run inside another module's import.
 EXECUTOR_USE = re.compile(r"enable_shm_tensor_arena=\(?self\.parallel_config\."
                           r"enable_shm_tensor_arena\)?[,)]")
+
+
+logger = logging.getLogger("fastmq")
 
 
 class ArenaDefaultError(RuntimeError):
@@ -137,7 +142,36 @@ def _restore(old: tuple) -> None:
     cls.__init__.__kwdefaults__ = kwdefaults
 
 
-def _wrap_add_cli_args(original):
+def fits() -> bool:
+    """Whether the default arena fits this host's ``/dev/shm``: on where it
+    does, as for every other queue; where it does not (Docker's default
+    64 MiB cannot hold 8 x 256 MiB), off, with a warning that says what
+    would fit, so that vLLM boots and serves instead of refusing to start."""
+    from fastmq import arena, segments
+
+    try:
+        size = arena.sizing()
+        usage = shutil.disk_usage(segments.SHM_PATH)
+    except (ValueError, OSError):
+        return True     # a bad setting is reported by the queue that reads it
+    need = size.n_slots * size.slot_bytes
+    if need <= usage.free:
+        return True
+    mib = 1 << 20
+    slots = int(usage.free // 2 // size.slot_bytes)
+    hint = (f"FASTMQ_ARENA_SLOTS={slots}" if slots >= 1 else
+            f"FASTMQ_ARENA_SLOTS=2 FASTMQ_ARENA_SLOT_MB={max(1, int(usage.free // 4 // mib))}")
+    logger.warning(
+        "fastmq: %s is %.0f MiB (%.0f MiB free), too small for the default tensor arena of "
+        "the scheduler broadcast (%d x %g MiB = %.0f MiB): vLLM runs without it "
+        "(enable_shm_tensor_arena defaults to off). To have it, enlarge %s (docker run "
+        "--shm-size, or --ipc=host) or set a size that fits, e.g. %s",
+        segments.SHM_PATH, usage.total / mib, usage.free / mib, size.n_slots,
+        size.slot_bytes / mib, need / mib, segments.SHM_PATH, hint)
+    return False
+
+
+def _wrap_add_cli_args(original, on: bool = True):
     @functools.wraps(original)
     def add_cli_args(parser, *args, **kwargs):
         parser = original(parser, *args, **kwargs)
@@ -147,7 +181,7 @@ def _wrap_add_cli_args(original):
                 f"fastmq: {ARG_UTILS}.EngineArgs.add_cli_args no longer adds "
                 f"--{FIELD.replace('_', '-')}; cannot make the tensor arena the default "
                 "(set FASTMQ_VLLM=0 to run vLLM as it ships)")
-        parser.set_defaults(**{FIELD: True})
+        parser.set_defaults(**{FIELD: on})
         return parser
 
     add_cli_args.__fastmq_wrapped__ = original
@@ -171,11 +205,12 @@ def apply(arg_utils: types.ModuleType) -> bool:
         if _module is not None:     # a reloaded arg_utils: only the new one counts
             undo()
         engine_args = arg_utils.EngineArgs
+        on = fits()
         for cls in _engine_arg_classes(engine_args):
-            _changed.append(_set_default(cls, True))
+            _changed.append(_set_default(cls, on))
         _original_add_cli_args = vars(engine_args)["add_cli_args"]
         engine_args.add_cli_args = staticmethod(
-            _wrap_add_cli_args(_original_add_cli_args.__func__))
+            _wrap_add_cli_args(_original_add_cli_args.__func__, on))
         _module = arg_utils
         return True
 
