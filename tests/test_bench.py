@@ -202,9 +202,9 @@ def test_quick_is_one_run_of_every_figure():
     # CI runs --quick: one run, the fewest samples that still verify.
     p = config.preset("quick")
     assert p.repeats == 1 and config.preset("full").repeats >= 3
-    # The executor scenario starts vLLM's executor (minutes here): not in --quick.
-    assert p.readers["executor"] == []
-    assert all(ns == [1] for s, ns in p.readers.items() if s != "executor")
+    # The executor and generate scenarios start vLLM (minutes here): not in --quick.
+    assert p.readers["executor"] == [] and p.readers["generate"] == []
+    assert all(ns == [1] for s, ns in p.readers.items() if s not in ("executor", "generate"))
 
 
 @pytest.mark.parametrize("broken, scenario, expect", [

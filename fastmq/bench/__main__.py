@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the hardware floors, side by side in one run. Scenarios: step "
                     "(executor round trip), throughput (small messages, pipelined), "
                     "tensor (large CPU tensors, every byte read), wake (latency from "
-                    "idle, idle CPU). Every ratio is the reference's time / this row's "
+                    "idle, idle CPU); executor and generate (vLLM's executor and real token "
+                    "generation, on request). Every ratio is the reference's time / this row's "
                     "time: above 1x, faster than the reference.",
     )
     preset = p.add_mutually_exclusive_group()
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     preset.add_argument("--full", action="store_true",
                         help="every figure, each the median of 3 runs: N=1,2,4, payloads "
                              "100 B to 1 MiB, tensors 16/64/256 MiB, a 5 s idle window")
+    p.add_argument("names", nargs="*", metavar="SCENARIO",
+                   help="scenarios to run, as with --scenario (fastmq-bench generate)")
     p.add_argument("--scenario", action="append", metavar="NAME[,NAME]",
                    help=f"scenarios to run: {', '.join(config.SCENARIOS)} or all (default all)")
     p.add_argument("--readers", metavar="N[,N]",
@@ -82,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 def params_from_args(args) -> tuple[config.Params, list[str]]:
     params = config.preset("quick" if args.quick else "full" if args.full else "default")
     scenarios: list[str] = []
-    for item in args.scenario or ["all"]:
+    named = list(args.scenario or []) + list(args.names or [])
+    for item in named or ["all"]:
         for name in _csv(item):
             if name == "all":
                 scenarios += list(config.SCENARIOS)
@@ -101,6 +105,10 @@ def params_from_args(args) -> tuple[config.Params, list[str]]:
         if not ns or ns[0] < 1 or ns[-1] > 32:
             raise ValueError("--readers: each N must be in 1..32")
         kw["readers"] = {s: ns for s in config.SCENARIOS}
+    elif "generate" in scenarios and any("generate" in _csv(i) for i in named):
+        # Asked for by name: run it (tensor parallel size 2) rather than
+        # leaving it out as the presets do.
+        kw["readers"] = {**params.readers, "generate": params.readers["generate"] or [2]}
     if args.sizes:
         sizes = sorted({config.parse_size(x) for x in _csv(args.sizes)})
         if sizes[0] < 16:

