@@ -73,26 +73,34 @@ def run(tmp_path, then: str, shm_size: str | None = None, **env) -> dict:
     opts = f"-o size={shm_size} " if shm_size else ""
     script = (f'mount -t tmpfs {opts}tmpfs /dev/shm || exit 97; '
               f'"$0" "$1" front --then {then} --pids "$2"; echo "FRONT_EXIT $?"; '
-              f'"$0" "$1" inspect --pids "$2"')
+              f'"$0" "$1" inspect --pids "$2"' + (" --kill-orphans" if then == "wait" else ""))
     proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script, py, CHILD, str(pids)],
                             cwd=str(tmp_path), env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    timer = threading.Timer(TIMEOUT, lambda: os.killpg(proc.pid, signal.SIGKILL))
-    timer.start()
-    lines = []
-    try:
+    lines: list[str] = []
+
+    def read():
         for line in proc.stdout:
             lines.append(line)
             if then == "wait" and line.startswith("RESULT "):
                 front = json.loads(line.removeprefix("RESULT "))["pids"]["front"]
                 os.kill(front, signal.SIGKILL)
-        proc.wait()
+
+    # A reader thread: processes that outlive the shell (none should) keep
+    # the pipe open, and must not hang the test.
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
     finally:
-        timer.cancel()
         try:
             os.killpg(proc.pid, signal.SIGKILL)   # whatever is left of this run
         except ProcessLookupError:
             pass
+        proc.wait()
+        reader.join(30)
     out = "".join(lines)
     (tmp_path / "output.log").write_text(out)     # for a failure's post-mortem
     assert proc.returncode == 0, out[-8000:]
@@ -194,14 +202,29 @@ def test_vllms_own_queue_leaves_no_fastmq_file(vllm_run):
     assert vllm_run["left"]["left"] == []
 
 
-@pytest.mark.parametrize("target", ["engine", "worker0", "worker1", "front"])
+REAP_MISSING = pytest.mark.xfail(
+    reason="needs a new fastmq queue to remove the files of processes that died with "
+           "no fastmq peer left alive to notice (engine core and workers SIGKILLed "
+           "together): not implemented yet", strict=False)
+
+
+@pytest.mark.parametrize("target", [
+    "engine", "worker0", "worker1", "front",
+    # What vLLM's shutdown does when its workers are slow to exit: SIGKILL
+    # the engine core and its workers.  No fastmq process of that engine is
+    # left to remove anything.
+    pytest.param("everything", marks=REAP_MISSING)])
 def test_kill_9_leaves_nothing(tmp_path, target):
-    """SIGKILL of the engine core, of each worker, and of the front process:
-    once the rest of vLLM has exited (or was killed by vLLM), the files of
-    every process of this engine are gone, at the latest when the next
-    fastmq queue is created on the host."""
+    """SIGKILL of the engine core, of each worker, of the front process, and
+    of the engine core with its workers: once the rest of vLLM has exited
+    (vLLM's engine core does not notice its front's death: the inspection
+    then kills it too), the files of every process of this engine are gone,
+    at the latest when the next fastmq queue is created on the host."""
     then = "wait" if target == "front" else f"kill-{target}"
     got = run(tmp_path, then, FASTMQ_VLLM="1")
+    assert not got["result"].get("survivors"), got["output"][-4000:]
     left = got["left"]
+    # (After the front's SIGKILL, vLLM's engine core runs on, orphaned, until
+    # the inspection kills it too: "killed_orphans".)
     assert not left["still_running"], (left, got["output"][-4000:])
     assert left["left_after_next_queue"] == [], (left, got["output"][-4000:])
