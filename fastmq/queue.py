@@ -135,6 +135,8 @@ class MessageQueue:
         completes (and its message is delivered before readers see the
         queue closed) or raises; it never returns for a message that
         readers then miss."""
+        if self._forked_from is not None:
+            raise self._forked()
         self._end.shutdown()
 
     # -- messages ----------------------------------------------------------------
@@ -195,6 +197,8 @@ class MessageQueue:
     def acquire_write(self, timeout: float | None = None) -> Iterator[memoryview]:
         """Yield the next chunk's bytes; publish it when the block exits
         normally (an exception leaves the chunk unpublished and reusable)."""
+        if self._forked_from is not None:
+            raise self._forked()
         if not self._end.is_writer or self._end.ring is None:
             raise RuntimeError("Only writers can acquire write")
         with self._end.acquire_write(timeout) as buf:
@@ -205,6 +209,8 @@ class MessageQueue:
                      indefinite: bool = False) -> Iterator[memoryview]:
         """Yield this reader's next chunk; it is marked read on exit, even
         when the block raises."""
+        if self._forked_from is not None:
+            raise self._forked()
         if not isinstance(self._end, LocalReader):
             raise RuntimeError("Only readers can acquire read")
         with self._end.acquire_read(timeout, indefinite) as buf:
