@@ -68,17 +68,20 @@ def writer_killed_in_handshake(conn, remote):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+_kept = []
+
+
 def create_queue_and_return(kind):
-    """Create a queue (ring, ipc socket and arena) and return: in a
+    """Create a queue (ring, ipc socket and arena) that stays referenced,
+    as an engine's executor holds its queues, and return: in a
     multiprocessing fork child, the process then ends with os._exit; with
     ``kind == "raise"`` the target raises first."""
     from fastmq import MessageQueue
 
-    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, arena_slots=2,
-                      arena_slot_mb=16, arena_min_mb=1)
+    _kept.append(MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2, arena_slots=2,
+                              arena_slot_mb=16, arena_min_mb=1))
     if kind == "raise":
         raise RuntimeError("the engine failed while starting")
-    return mq
 
 
 def create_queue_then_os_exit(conn):
