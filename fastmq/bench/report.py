@@ -356,7 +356,7 @@ def _section_notes(records, rs, scenario) -> list[str]:
     return notes
 
 
-def tables(result: dict, md: bool = False) -> str:
+def scenario_tables(result: dict, md: bool = False) -> str:
     parts = [s for s in (section(result["records"], sc, md) for sc in config.SCENARIOS) if s]
     return "\n\n".join(parts)
 
@@ -608,12 +608,17 @@ def machine_line(result: dict) -> str:
             f"CPUs{mem}, Linux {m['kernel']}, Python {m['python']}; {vers}")
 
 
-def terminal(result: dict) -> str:
+def terminal(result: dict, tables: bool = False) -> str:
+    """What the command prints: the summary and the notes; with ``tables``
+    every scenario's table first (RESULTS.md always has them)."""
+    more = ("" if tables else "Every scenario's table (p90, p99, floors, pyzmq, each wait "
+            "mode): rerun with --tables, or write them with --results-md FILE.")
     return "\n\n".join(p for p in [
         f"fastmq-bench ({result['config']['preset']}): {machine_line(result)}",
-        tables(result, md=False),
+        scenario_tables(result, md=False) if tables else "",
         summary(result, md=False),
         "notes:\n" + notes_text(result, md=False),
+        more,
     ] if p)
 
 
@@ -654,7 +659,7 @@ def write_markdown(path: str, result: dict, plots: list[str]) -> None:
         "",
         summary(result, md=True),
         "",
-        tables(result, md=True),
+        scenario_tables(result, md=True),
         "",
     ]
     if plots:
