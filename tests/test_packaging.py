@@ -181,12 +181,18 @@ def fresh_venv(venv: Path) -> str:
 
 
 def test_a_fresh_venv_sees_the_running_environments_packages(tmp_path):
+    """Run from a virtual environment, ``venv --system-site-packages``
+    would show the base interpreter's packages instead (where pyzmq and
+    pytest need not be)."""
     py = fresh_venv(tmp_path / "venv")
     out = _run([py, "-c", "import sys, zmq, pytest; print(sys.prefix); "
-                "import importlib.util as u; print(u.find_spec('fastmq'))"],
+                "import importlib.util as u; print(u.find_spec('fastmq')); "
+                "print('\\n'.join(sys.path))"],
                cwd=tmp_path, env=_clean_env())
-    prefix, fastmq_spec = out.stdout.splitlines()
+    prefix, fastmq_spec, *path = out.stdout.splitlines()
     assert Path(prefix) == tmp_path / "venv"
+    missing = [d for d in running_site_dirs() if d not in path]
+    assert not missing, f"the venv does not see {missing}"
     assert fastmq_spec == "None", "the running environment's fastmq leaked into the venv"
 
 
