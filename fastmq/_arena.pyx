@@ -100,6 +100,7 @@ import collections
 import logging
 import os
 import secrets
+import sys
 import threading
 from pickle import PickleBuffer
 
@@ -211,19 +212,26 @@ def cow_scan_available():
 
 # torch is optional; without it only numpy arrays and raw buffers use slots.
 # (object, not ``cdef type``: torch's classes have a metaclass, which a
-# ``type``-typed variable refuses.)
+# ``type``-typed variable refuses.)  Bound by _bind_torch once this process
+# has imported torch: importing fastmq does not import it.
 cdef object _Tensor = None
 cdef object _Parameter = None
 cdef object _strided = None
-cdef object _reduce_tensor = None
-try:
-    import torch as _torch
-    _Tensor = _torch.Tensor
-    _Parameter = _torch.nn.Parameter
-    _strided = _torch.strided
-    from fastmq._serde import reduce_tensor as _reduce_tensor
-except ImportError:  # pragma: no cover - exercised only without torch
-    pass
+from fastmq._serde import reduce_tensor as _reduce_tensor
+
+
+cdef bint _bind_torch() except -1:
+    # A message can hold a tensor only once torch is imported.
+    global _Tensor, _Parameter, _strided
+    mod = sys.modules.get("torch")
+    if mod is None:
+        return False
+    try:
+        tensor, parameter, strided = mod.Tensor, mod.nn.Parameter, mod.strided
+    except AttributeError:  # torch is still being imported
+        return False
+    _Tensor, _Parameter, _strided = tensor, parameter, strided
+    return True
 
 
 def layout(int n_reader, int n_slots, Py_ssize_t slot_bytes):
@@ -499,7 +507,9 @@ cdef class ArenaEnd:
         ``_rebuild_parameter`` over the arena-backed data.
         """
         cdef object t = type(obj)
-        if _Tensor is None or not PyType_IsSubtype(<type>t, <type>_Tensor):
+        if _Tensor is None and not _bind_torch():
+            return NotImplemented
+        if not PyType_IsSubtype(<type>t, <type>_Tensor):
             return NotImplemented
         if t is _Parameter:
             return NotImplemented
