@@ -186,6 +186,7 @@ def engine(*phases: str) -> None:
         executor.shutdown()
     del executor
     gc.collect()
+    # Worker 1 is node 1's: its node reports on it.
     out["alive_after_shutdown"] = [p for p in pids[:1] if ew._alive(p)]
     out["leftovers"] = _leftovers([os.getpid(), *pids])
     print("RESULT " + json.dumps(out), flush=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,13 @@ def can_unshare() -> bool:
     if shutil.which("unshare") is None:
         return False
     return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous both nodes are told)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def node_env(tmpdir: str, **extra: str) -> dict:

@@ -11,7 +11,6 @@ break on too.
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -26,12 +25,6 @@ pytestmark = pytest.mark.skipif(not _nodes.can_unshare(),
                                 reason="a second node needs unshare -m (root)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _result(node: _nodes.Node) -> dict:
     lines = [ln for ln in node.output().splitlines() if ln.startswith("RESULT ")]
     assert lines, node.output()[-6000:]
@@ -43,7 +36,7 @@ def run(request, tmp_path_factory):
     """Both ranks of ``_call_shapes`` with one implementation; their results."""
     impl = request.param
     flag, _ = IMPLS[impl]
-    port = _free_port()
+    port = _nodes.free_port()
     nodes = []
     try:
         for rank in (0, 1):
