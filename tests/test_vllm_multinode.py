@@ -70,9 +70,7 @@ def two_nodes(tmp_path, phases, fastmq_vllm: str, timeout: float = 600) -> dict:
         node1 = _lines(node1_out, "RESULT ")
         assert engine, engine_out[-8000:]
         assert node1, node1_out[-8000:]
-        return {"engine": engine[-1], "node1": node1[-1],
-                "node1_ready": _lines(node1_out, "NODE1 ")[-1],
-                "output": engine_out + node1_out}
+        return {"engine": engine[-1], "node1": node1[-1], "output": engine_out + node1_out}
     finally:
         for node in nodes.values():
             node.kill()
@@ -130,16 +128,15 @@ def test_round_trips_across_the_nodes_are_exact(fastmq_run):
                    strict=False)
 def test_a_killed_remote_worker_is_named_by_the_engine(fastmq_run):
     """SIGKILL worker 1 on node 1 mid-run: the engine's collective_rpc
-    raises fastmq's error naming that worker (its pid or its response
-    queue's address) instead of waiting forever."""
+    raises fastmq's error naming that worker's pid instead of waiting
+    forever (the engine gives up after _multinode_worker.KILL_WAIT_S)."""
     e = fastmq_run["engine"]
     k = e["kill_remote_worker"]
     print(f"engine after the SIGKILL: {k}")
     assert k["calls_before"] > 0
     assert not k["hung"], k
     assert k["error"].startswith("RuntimeError: fastmq: "), k["error"]
-    named = [f"pid {k['victim']}"]
-    assert any(n in k["error"] for n in named), k["error"]
+    assert f"pid {k['victim']}" in k["error"], k["error"]
 
 
 def test_nothing_left_on_either_node(fastmq_run):
