@@ -87,8 +87,11 @@ class MessageQueue:
 
     @staticmethod
     def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
-        """Attach as reader ``rank`` (a local reader when ``rank`` is in
-        ``handle.local_reader_ranks``, otherwise a remote one)."""
+        """Attach as reader ``rank``: a local reader when ``rank`` is in
+        ``handle.local_reader_ranks``, otherwise a remote one (any other
+        integer, -1 included, as vLLM's executor attaches to its peers'
+        response queues).  ``ValueError`` for a rank that is not an integer,
+        or that is not local on a queue with no remote readers."""
         rank = check_rank(handle, rank)
         self = MessageQueue.__new__(MessageQueue)
         if rank in handle.local_reader_ranks:
