@@ -3,6 +3,9 @@ from fastmq._shm cimport Segment
 
 cdef class ArenaEnd:
     cdef readonly Segment segment
+    # The process that created or attached this end; only it changes the
+    # arena's shared flags through it (see fastmq/_native/fmq_proc.h).
+    cdef readonly long owner_pid
     cdef readonly str name
     cdef char *base
     cdef char *data

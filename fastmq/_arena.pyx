@@ -85,6 +85,7 @@ from fastmq._native.atomic cimport (fmq_load_u8_acq, fmq_load_u64_acq, fmq_local
                                     fmq_local_store_int, fmq_store_u8_rel, fmq_store_u64_rel)
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
                                     header_status, word32 as _u32, word64 as _u64)
+from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
 from fastmq._shm cimport Segment, _os_error
 from fastmq._shm import ShmFullError
 from libc.errno cimport errno
@@ -99,6 +100,7 @@ import collections
 import logging
 import os
 import secrets
+import sys
 import threading
 from pickle import PickleBuffer
 
@@ -157,6 +159,8 @@ cdef enum:
     D_EPOCH = 40        # u64
     C_DESC_LEN = 48
 
+fmq_pid_init()
+
 cdef uint64_t C_MAGIC = MAGIC
 cdef uint64_t C_DESC_MAGIC = DESC_MAGIC
 
@@ -208,19 +212,26 @@ def cow_scan_available():
 
 # torch is optional; without it only numpy arrays and raw buffers use slots.
 # (object, not ``cdef type``: torch's classes have a metaclass, which a
-# ``type``-typed variable refuses.)
+# ``type``-typed variable refuses.)  Bound by _bind_torch once this process
+# has imported torch: importing fastmq does not import it.
 cdef object _Tensor = None
 cdef object _Parameter = None
 cdef object _strided = None
-cdef object _reduce_tensor = None
-try:
-    import torch as _torch
-    _Tensor = _torch.Tensor
-    _Parameter = _torch.nn.Parameter
-    _strided = _torch.strided
-    from fastmq._serde import reduce_tensor as _reduce_tensor
-except ImportError:  # pragma: no cover - exercised only without torch
-    pass
+from fastmq._serde import reduce_tensor as _reduce_tensor
+
+
+cdef bint _bind_torch() except -1:
+    # A message can hold a tensor only once torch is imported.
+    global _Tensor, _Parameter, _strided
+    mod = sys.modules.get("torch")
+    if mod is None:
+        return False
+    try:
+        tensor, parameter, strided = mod.Tensor, mod.nn.Parameter, mod.strided
+    except AttributeError:  # torch is still being imported
+        return False
+    _Tensor, _Parameter, _strided = tensor, parameter, strided
+    return True
 
 
 def layout(int n_reader, int n_slots, Py_ssize_t slot_bytes):
@@ -258,6 +269,7 @@ cdef class ArenaEnd:
     The Python surface is ``fastmq.arena.ArenaWriter`` / ``ArenaReader``."""
 
     def __cinit__(self):
+        self.owner_pid = fmq_self_pid()
         self.reader_rank = -1
         self.n_slots = 0
         self.pending = []
@@ -495,7 +507,9 @@ cdef class ArenaEnd:
         ``_rebuild_parameter`` over the arena-backed data.
         """
         cdef object t = type(obj)
-        if _Tensor is None or not PyType_IsSubtype(<type>t, <type>_Tensor):
+        if _Tensor is None and not _bind_torch():
+            return NotImplemented
+        if not PyType_IsSubtype(<type>t, <type>_Tensor):
             return NotImplemented
         if t is _Parameter:
             return NotImplemented
@@ -1000,6 +1014,10 @@ cdef class ArenaEnd:
         self.mark_done(slot)
 
     cdef void mark_done(self, int slot) noexcept:
+        if self.owner_pid != fmq_self_pid():
+            # A forked child dropping views it inherited: the slot is still
+            # its parent's, whose views of it are alive.
+            return
         if self.isolated and self.discard(slot) != 0:
             return
         fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_DONE + self.reader_rank), 1)
@@ -1173,11 +1191,20 @@ def snapshot(buf):
         if status != HEADER_OK:
             raise ArenaError("fastmq arena layout version %d, this fastmq reads version %d"
                              % (_u32(b, H_VERSION)[0], LAYOUT_VERSION))
-        n_reader = _u32(b, H_NREADER)[0]
-        n_slots = _u32(b, H_NSLOTS)[0]
+        n_reader_word = _u32(b, H_NREADER)[0]
+        n_slots_word = _u32(b, H_NSLOTS)[0]
         slot_bytes = _u64(b, H_SLOT_BYTES)[0]
         got = (_u32(b, H_STRIDE)[0], _u64(b, H_FLAGS_OFF)[0], _u64(b, H_DATA_OFF)[0],
                _u64(b, H_TOTAL)[0])
+        # Range-checked before use as counts: a forged or corrupt file reads
+        # as bad instead of overflowing (an arena's slots lie in its file).
+        if not (1 <= n_reader_word <= 4096 and 1 <= n_slots_word <= 65536
+                and int(slot_bytes) * int(n_slots_word) <= int(v.len)):
+            raise ArenaError("fastmq arena header has a bad geometry: %d readers, %d slots "
+                             "of %d bytes (a %d-byte file)"
+                             % (n_reader_word, n_slots_word, slot_bytes, v.len))
+        n_reader = n_reader_word
+        n_slots = n_slots_word
         try:
             want = layout(n_reader, n_slots, slot_bytes)
         except ValueError as e:

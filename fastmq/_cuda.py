@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import sys
 import threading
 from typing import Any
 
@@ -112,6 +113,11 @@ def runtime() -> Any:
     global _runtime, _runtime_set
     if _runtime_set:
         return _runtime
+    if sys.modules.get("torch") is None:
+        # Without torch imported nothing initialised CUDA through it, and
+        # importing it here would cost a torch-free reader seconds: ask
+        # again later (not cached), once something has imported it.
+        return None
     with _lock:
         if not _runtime_set:
             try:

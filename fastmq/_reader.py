@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import zmq
 
-from fastmq import _config, _curve, _net, _proc, _sockets, cleanup
+from fastmq import _config, _curve, _handshake, _net, _proc, _sockets, cleanup
 from fastmq._ring import (LONG_WAIT, READY, WAIT_ZMQ, WRITER_CLOSED, WRITER_DIED,
                           CorruptChunkError)
 from fastmq._serde import decode
@@ -32,7 +32,9 @@ class _ReaderEnd:
     shutting_down: bool
 
     def _receive_handshake(self, sock) -> None:
-        frames = sock.recv_multipart()
+        # In slices, like every other wait: shutdown() from another thread
+        # and a writer that died (seen by a local reader) end it.
+        frames = [f.bytes for f in self._recv_message(sock, None)]
         if frames != [b"READY"]:
             raise RuntimeError(
                 f"fastmq: this reader connected after the writer's handshake: it "
@@ -101,16 +103,20 @@ class LocalReader(_ReaderEnd):
                     f"fastmq: local reader rank {rank} of this queue is already "
                     f"attached by process {holder}, which is alive; each rank is "
                     "attached by one process")
+            me = _handshake.identity(self.local_reader_rank)   # its ring slot
             self.local_socket = sock = context.socket(zmq.SUB)
             sockets.append(sock)
             _sockets.tune_subscriber(sock)
-            sock.setsockopt_string(zmq.SUBSCRIBE, "")
+            _handshake.subscribe(sock, me)
             sock.connect(handle.local_subscribe_addr)
             if ring.wait_mode == WAIT_ZMQ:
                 notify = context.socket(zmq.SUB)
                 sockets.append(notify)
+                # No identity here: a CONFLATE socket keeps one message in
+                # each direction, so of two subscriptions only the last
+                # would reach the writer.  The writer counts these.
                 notify.setsockopt(zmq.CONFLATE, 1)
-                notify.setsockopt_string(zmq.SUBSCRIBE, "")
+                notify.setsockopt(zmq.SUBSCRIBE, b"")
                 notify.connect(handle.local_notify_addr)
                 # shutdown() wakes a reader parked on the poller through
                 # this pair (another thread may call it).
@@ -157,7 +163,7 @@ class LocalReader(_ReaderEnd):
 
     # -- the writer's state ---------------------------------------------------
     def _writer_gone(self) -> bool:
-        return self.ring.peer_status() == WRITER_DIED
+        return self.ring.peer_status() != READY
 
     def _writer_gone_error(self, status: int | None = None) -> RuntimeError:
         ring = self.ring
@@ -245,7 +251,10 @@ class LocalReader(_ReaderEnd):
                 (msg_id, payload), self._overflow_ahead = self._overflow_ahead, None
             else:
                 frames = self._recv_message(self.local_socket, until)
-                msg_id, payload = _sockets.split_message(frames, "local reader")
+                got = _sockets.split_message(frames, "local reader")
+                if got is None:
+                    continue   # a payload whose sending was interrupted
+                msg_id, payload = got
             if msg_id == want:
                 break
             if msg_id > want:
@@ -286,7 +295,7 @@ class RemoteReader(_ReaderEnd):
         try:
             self.remote_socket = sock = context.socket(zmq.SUB)
             sockets.append(sock)
-            sock.setsockopt_string(zmq.SUBSCRIBE, "")
+            _handshake.subscribe(sock, _handshake.identity(rank))
             if handle.remote_addr_ipv6:
                 sock.setsockopt(zmq.IPV6, 1)
             keys = getattr(handle, "remote_curve_keys", None)
@@ -305,8 +314,14 @@ class RemoteReader(_ReaderEnd):
         self.shutting_down = True
 
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
-        frames = self._recv_message(self.remote_socket, _sockets.deadline(timeout))
-        msg_id, payload = _sockets.split_message(frames, "remote reader")
+        until = _sockets.deadline(timeout)
+        while True:
+            frames = self._recv_message(self.remote_socket, until)
+            got = _sockets.split_message(frames, "remote reader")
+            if got is not None:
+                break
+            # A message whose sending was interrupted: its enqueue() raised.
+        msg_id, payload = got
         want = self._remote_seq + 1
         if msg_id != want:
             raise RuntimeError(

@@ -53,8 +53,16 @@ cdef class RingEnd:
     cdef readonly uint64_t overflow_id
     # Writer: bytes of each chunk reserved in /dev/shm so far.
     cdef Py_ssize_t *reserved
-    # Reader: this end holds its reader slot (claim_reader).
+    # Reader: this end holds its reader slot (claim_reader) with this
+    # claim word.
     cdef bint claimed
+    cdef uint64_t claim
+    # The process that created or attached this end: the only one that may
+    # change shared state through it (see fmq_proc.h).
+    cdef readonly long owner_pid
+    # Whether the reader a READER_DIED status names closed its end (left)
+    # rather than died.
+    cdef readonly bint dead_left
     cdef object data_view
     cdef object __weakref__
 
@@ -72,6 +80,7 @@ cdef class RingEnd:
     cdef int between_slices(self, int idx) except -1
     cdef int check_peers(self, int idx) except -1
     cdef bint find_dead_reader(self, int idx) except -1
+    cdef inline uint64_t *claim_word(self, int rank) noexcept nogil
     cdef inline bint closed_by_writer(self) noexcept
     cdef int writer_state(self) except -1
     cdef object take_frames(self, int idx, char *c)

@@ -67,19 +67,40 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from fastmq._native.atomic cimport (
-    fmq_cas_u32, fmq_add_u32_seq, fmq_cpu_relax, fmq_fence_seq, fmq_futex_wait,
+    fmq_cas_u64, fmq_add_u32_seq, fmq_cpu_relax, fmq_fence_seq, fmq_futex_wait,
     fmq_futex_wake_all, fmq_have_futex, fmq_load_u8_acq, fmq_load_u32_acq,
     fmq_load_u32_seq, fmq_now_ns, fmq_sched_yield, fmq_store_u8_rel,
     fmq_store_u32_rel, fmq_sub_u32_seq, fmq_load_u64_acq, fmq_store_u64_rel)
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
                                     header_status, word32 as _u32, word64 as _u64)
+from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
 from fastmq._shm cimport Segment
 from fastmq._shm import ShmFullError
 
-from fastmq._proc import is_alive as _process_alive
+from fastmq._proc import START_TAG_MASK, is_alive as _process_alive
 
 MAGIC = 0x3152514d54534146   # b"FASTMQR1" little-endian
-LAYOUT_VERSION = 1
+# 2: reader slots hold one 64-bit claim word (pid, start tag, LEFT).
+LAYOUT_VERSION = 2
+
+fmq_pid_init()
+
+cdef uint64_t CLAIM_LEFT = 1ULL << 63
+
+# What reader_state() says of a rank's slot.
+SLOT_FREE = 0      # never claimed
+SLOT_ALIVE = 1     # claimed by a running process
+SLOT_LEFT = 2      # its holder closed its end (exited, or dropped the queue)
+SLOT_DEAD = 3      # its holder died without closing (SIGKILL, os._exit, crash)
+
+
+cdef inline bint _claim_alive(uint64_t word) except -1:
+    # The pid and its start tag come from one load of one word: they are
+    # always the same process's.
+    if word == 0 or (word & CLAIM_LEFT):
+        return False
+    return _process_alive(<uint32_t>(word & CLAIM_PID_MASK),
+                          (word >> 32) & CLAIM_TAG_MASK, START_TAG_MASK)
 
 # Header offsets: fastmq/_ring_layout.pxd.
 from fastmq._ring_layout cimport *
@@ -163,6 +184,7 @@ cdef class RingEnd:
         self.current_idx = 0
         self.warn_interval = 60.0
         self.dead_rank = -1
+        self.owner_pid = fmq_self_pid()
 
     def __dealloc__(self):
         free(self.reserved)
@@ -171,7 +193,7 @@ cdef class RingEnd:
     @staticmethod
     def create(Segment seg, int n_reader, Py_ssize_t max_chunk_bytes,
                int max_chunks, int wait_mode, int64_t spin_ns,
-               uint32_t writer_pid, uint64_t writer_start):
+               uint32_t writer_pid, uint64_t writer_start, uint64_t writer_pidns=0):
         stride, meta_off, data_off, total = layout(n_reader, max_chunk_bytes, max_chunks)
         if seg.size < total:
             raise ValueError("segment of %d bytes is smaller than the ring (%d)" % (seg.size, total))
@@ -190,6 +212,7 @@ cdef class RingEnd:
         _u64(b, H_SPIN_NS)[0] = spin_ns
         _u32(b, H_WRITER_PID)[0] = writer_pid
         _u64(b, H_WRITER_START)[0] = writer_start
+        _u64(b, H_WRITER_PIDNS)[0] = writer_pidns
         _u32(b, H_WRITER_STATE)[0] = 1
         # The magic goes last, released: an attacher that sees it sees the rest.
         fmq_store_u64_rel(_u64(b, H_MAGIC), MAGIC)
@@ -494,11 +517,11 @@ cdef class RingEnd:
         return ST_READY
 
     cdef bint find_dead_reader(self, int idx) except -1:
-        # Sets dead_rank / dead_pid to the first dead reader among those that
-        # have not read chunk idx, or among all attached readers (idx < 0).
+        # Sets dead_rank / dead_pid / dead_left to the first gone reader
+        # (died, or closed its end) among those that have not read chunk
+        # idx, or among all attached readers (idx < 0).
         cdef uint8_t *m = NULL
-        cdef char *slot
-        cdef uint32_t pid
+        cdef uint64_t word
         cdef int r
         if idx >= 0:
             m = self.meta(idx)
@@ -507,13 +530,16 @@ cdef class RingEnd:
         for r in range(self.n_reader):
             if m != NULL and fmq_load_u8_acq(m + 1 + r) != 0:
                 continue
-            slot = self.base + H_READER_SLOTS + READER_SLOT * r
-            pid = fmq_load_u32_acq(<uint32_t *>slot)
-            if pid and not _process_alive(pid, (<uint64_t *>(slot + 8))[0]):
+            word = fmq_load_u64_acq(self.claim_word(r))
+            if word != 0 and not _claim_alive(word):
                 self.dead_rank = r
-                self.dead_pid = pid
+                self.dead_pid = <uint32_t>(word & CLAIM_PID_MASK)
+                self.dead_left = (word & CLAIM_LEFT) != 0
                 return True
         return False
+
+    cdef inline uint64_t *claim_word(self, int rank) noexcept nogil:
+        return <uint64_t *>(self.base + H_READER_SLOTS + READER_SLOT * rank)
 
     cdef inline bint closed_by_writer(self) noexcept:
         return fmq_load_u32_acq(_u32(self.base, H_WRITER_STATE)) == 2
@@ -584,6 +610,14 @@ cdef class RingEnd:
     cdef inline int _check_open(self) except -1:
         if self.base == NULL:
             raise RuntimeError("fastmq ring is closed")
+        if self.owner_pid != fmq_self_pid():
+            # Inherited through fork(): the ring's flags and this end's
+            # position are the parent's; touching them would lose or
+            # duplicate the parent's messages.
+            raise RuntimeError(
+                "fastmq ring end of process %d used in its forked child %d; a ring end "
+                "belongs to the process that created or attached it"
+                % (self.owner_pid, fmq_self_pid()))
         return 0
 
     cdef inline int _check_turn(self, int idx) except -1:
@@ -655,7 +689,7 @@ cdef class RingEnd:
             total = _align(total, 8) + memoryview(b).nbytes
         return total
 
-    def send(self, list buffers, timeout=None):
+    def send(self, list buffers, timeout=None, bint committed=False):
         """Wait for the next chunk (as ``wait_next``), frame ``buffers`` into
         it and publish it.
 
@@ -666,6 +700,11 @@ cdef class RingEnd:
         with ``continue_wait()`` until ``READY``, and sends again.
         ``ShmFullError`` when /dev/shm cannot back the chunk's pages:
         nothing is published and the ring stays usable.
+
+        ``committed``: the message already reached other readers (the
+        remote ones), so the chunk -- already free, and reserved by
+        ``reserve_next`` -- must take it too: no wait, and no
+        ``cancel()`` refuses it.
         """
         self._check_writer()
         cdef Py_ssize_t n = len(buffers)
@@ -685,9 +724,12 @@ cdef class RingEnd:
                 total = _align(total, 8) + views[i].len
             if total > self.max_chunk_bytes:
                 return 0
-            status = self.begin_wait(timeout)
-            if status != ST_READY:
-                return -status
+            if committed:
+                self._check_turn(self.current_idx)
+            else:
+                status = self.begin_wait(timeout)
+                if status != ST_READY:
+                    return -status
             idx = self.current_idx
             self.reserve_chunk(idx, total)
             c = self.chunk(idx)
@@ -728,6 +770,7 @@ cdef class RingEnd:
 
     def mark_closed(self):
         if self.base != NULL:
+            self._check_writer()
             fmq_store_u32_rel(_u32(self.base, H_WRITER_STATE), 2)
 
     # -- reader ------------------------------------------------------------
@@ -858,47 +901,71 @@ cdef class RingEnd:
         return fmq_load_u32_acq(_u32(self.base, H_WRITER_STATE)) == 2
 
     def claim_reader(self, uint32_t pid, uint64_t start):
-        """Take this end's reader slot for process ``pid``.
+        """Take this end's reader slot for process ``pid`` (started at
+        ``start``).
 
         Returns 0, or the pid of another live process that holds the slot
-        (then nothing changed); a holder left by a dead process is
-        replaced.  The pid word is
-        swapped atomically, so two processes claiming one rank at the same
-        time cannot both win."""
+        (then nothing changed); a slot whose holder died or left is taken
+        over.  The claim word (pid and start tag) is swapped whole, against
+        exactly the value judged gone, so two processes claiming one rank
+        at the same time cannot both win, and none can judge a new holder
+        by its predecessor's start time."""
         self._check_open()
         if self.reader_rank < 0:
             raise RuntimeError("the writer's end has no reader slot")
         cdef char *slot = self.base + H_READER_SLOTS + READER_SLOT * self.reader_rank
-        cdef uint32_t *word = <uint32_t *>slot
-        cdef uint32_t held
+        cdef uint64_t *word = self.claim_word(self.reader_rank)
+        cdef uint64_t mine = pid | ((start & CLAIM_TAG_MASK) << 32)
+        cdef uint64_t held
         while True:
-            held = fmq_load_u32_acq(word)
-            if held != 0 and held != pid and _process_alive(held, (<uint64_t *>(slot + 8))[0]):
-                return held
-            if fmq_cas_u32(word, held, pid):
+            held = fmq_load_u64_acq(word)
+            if (held != 0 and (held & CLAIM_PID_MASK) != pid and _claim_alive(held)):
+                return <uint32_t>(held & CLAIM_PID_MASK)
+            if fmq_cas_u64(word, held, mine):
                 break
-        (<uint64_t *>(slot + 8))[0] = start
+        fmq_store_u64_rel(<uint64_t *>(slot + SLOT_START), start)
         fmq_store_u64_rel(<uint64_t *>(slot + SLOT_READ), 0)
         fmq_fence_seq()
+        self.claim = mine
         self.claimed = True
         return 0
 
     cdef int release_claim(self) noexcept:
-        # A clean close frees the rank for a later attach; a crash leaves
-        # the pid, which claim_reader and the writer's peer check see dead.
-        cdef char *slot
-        if self.claimed and self.base != NULL and self.reader_rank >= 0:
-            slot = self.base + H_READER_SLOTS + READER_SLOT * self.reader_rank
-            (<uint64_t *>(slot + 8))[0] = 0
-            fmq_store_u32_rel(<uint32_t *>slot, 0)
-        self.claimed = False
+        # A clean close marks the slot LEFT and keeps the pid: a writer
+        # waiting on this reader then names it at once, as it names a
+        # reader that died.  Only the claiming process does this (a forked
+        # child that drops the inherited end must not), and only while the
+        # claim is still its own.
+        if (self.claimed and self.base != NULL and self.reader_rank >= 0
+                and self.owner_pid == fmq_self_pid()):
+            fmq_cas_u64(self.claim_word(self.reader_rank), self.claim,
+                        self.claim | CLAIM_LEFT)
+            self.claimed = False
         return 0
 
     def reader_identity(self, int rank):
+        """``(pid, start time)`` of the process that claimed reader slot
+        ``rank`` (pid 0: never claimed)."""
+        self._check_open()
         if not (0 <= rank < self.n_reader):
             raise IndexError(rank)
         cdef char *slot = self.base + H_READER_SLOTS + READER_SLOT * rank
-        return fmq_load_u32_acq(<uint32_t *>slot), (<uint64_t *>(slot + 8))[0]
+        return (<uint32_t>(fmq_load_u64_acq(self.claim_word(rank)) & CLAIM_PID_MASK),
+                fmq_load_u64_acq(<uint64_t *>(slot + SLOT_START)))
+
+    def reader_state(self, int rank):
+        """``(pid, state)`` of reader slot ``rank``: ``SLOT_FREE``,
+        ``SLOT_ALIVE``, ``SLOT_LEFT`` or ``SLOT_DEAD``."""
+        self._check_open()
+        if not (0 <= rank < self.n_reader):
+            raise IndexError(rank)
+        cdef uint64_t word = fmq_load_u64_acq(self.claim_word(rank))
+        cdef uint32_t pid = <uint32_t>(word & CLAIM_PID_MASK)
+        if word == 0:
+            return 0, SLOT_FREE
+        if word & CLAIM_LEFT:
+            return pid, SLOT_LEFT
+        return pid, (SLOT_ALIVE if _claim_alive(word) else SLOT_DEAD)
 
     def unread_readers(self, int idx):
         """Ranks that have not read chunk ``idx`` (for the long-wait log)."""
@@ -945,7 +1012,7 @@ cdef class RingEnd:
 # must not disturb it.
 
 # Bytes from the start of a ring that hold its magic, version and creator.
-CREATOR_BYTES = H_WRITER_START + 8
+CREATOR_BYTES = H_WRITER_PIDNS + 8
 
 
 cdef inline uint32_t _ro_u32(const char *b, Py_ssize_t off) noexcept nogil:
@@ -956,10 +1023,11 @@ cdef inline uint64_t _ro_u64(const char *b, Py_ssize_t off) noexcept nogil:
     return fmq_load_u64_acq(<const uint64_t *>(b + off))
 
 
-def ring_creator(buf):
+def ring_creator(buf, bint with_pidns=False):
     """``(pid, start time)`` of the process that created the ring whose
-    first ``CREATOR_BYTES`` (or more) bytes are ``buf``; None when they are
-    not the header of a ring of this layout version."""
+    first ``CREATOR_BYTES`` (or more) bytes are ``buf`` (``with_pidns``:
+    ``(pid, start time, pid namespace inode)``); None when they are not
+    the header of a ring of this layout version."""
     cdef Py_buffer v
     PyObject_GetBuffer(buf, &v, PyBUF_SIMPLE)
     cdef const char *b = <const char *>v.buf
@@ -968,6 +1036,9 @@ def ring_creator(buf):
             return None
         if _ro_u64(b, H_MAGIC) != MAGIC or _ro_u32(b, H_VERSION) != LAYOUT_VERSION:
             return None
+        if with_pidns:
+            return (_ro_u32(b, H_WRITER_PID), _ro_u64(b, H_WRITER_START),
+                    _ro_u64(b, H_WRITER_PIDNS))
         return _ro_u32(b, H_WRITER_PID), _ro_u64(b, H_WRITER_START)
     finally:
         PyBuffer_Release(&v)
@@ -1000,15 +1071,24 @@ def snapshot(buf):
         if _ro_u32(b, H_VERSION) != LAYOUT_VERSION:
             raise SegmentMismatchError("fastmq ring layout version %d, this fastmq reads "
                                        "version %d" % (_ro_u32(b, H_VERSION), LAYOUT_VERSION))
-        n_reader = _ro_u32(b, H_NREADER)
-        n_chunks = _ro_u32(b, H_NCHUNKS)
+        n_reader_word = _ro_u32(b, H_NREADER)
+        n_chunks_word = _ro_u32(b, H_NCHUNKS)
         chunk_bytes = _ro_u64(b, H_CHUNK_BYTES)
         got = (_ro_u32(b, H_META_STRIDE), _ro_u64(b, H_META_OFF), _ro_u64(b, H_DATA_OFF),
                _ro_u64(b, H_TOTAL))
-        try:
-            want = layout(n_reader, chunk_bytes, n_chunks)
-        except ValueError as e:
-            raise SegmentMismatchError("fastmq ring header has a bad geometry: %s" % e)
+        # Every geometry word is range-checked before it is used as a
+        # count or a size: a corrupt or forged file must read as bad, not
+        # overflow.  A real ring is no larger than its file, which is no
+        # larger than the mapping checked below.
+        if not (1 <= n_reader_word <= 4096 and 1 <= n_chunks_word
+                and 64 <= chunk_bytes
+                and int(chunk_bytes) * int(n_chunks_word) <= int(v.len)):
+            raise SegmentMismatchError(
+                "fastmq ring header has a bad geometry: %d readers, %d chunks of %d bytes "
+                "(a %d-byte file)" % (n_reader_word, n_chunks_word, chunk_bytes, v.len))
+        n_reader = n_reader_word
+        n_chunks = n_chunks_word
+        want = layout(n_reader, chunk_bytes, n_chunks)
         if got != want or v.len < want[3]:
             raise SegmentMismatchError(
                 "fastmq ring header %r does not match its geometry %r (%d bytes mapped)"
@@ -1017,9 +1097,12 @@ def snapshot(buf):
         meta_off = want[1]
         readers = []
         reads = []
+        left = []
         for r in range(n_reader):
-            readers.append((_ro_u32(b, H_READER_SLOTS + READER_SLOT * r),
-                            _ro_u64(b, H_READER_SLOTS + READER_SLOT * r + 8)))
+            word = _ro_u64(b, H_READER_SLOTS + READER_SLOT * r)
+            readers.append((word & CLAIM_PID_MASK,
+                            _ro_u64(b, H_READER_SLOTS + READER_SLOT * r + SLOT_START)))
+            left.append(bool(word & CLAIM_LEFT))
             reads.append(_ro_u64(b, H_READER_SLOTS + READER_SLOT * r + SLOT_READ))
         written = []
         read = [[] for r in range(n_reader)]
@@ -1041,6 +1124,7 @@ def snapshot(buf):
             "readers_parked": _ro_u32(b, H_READERS_PARKED),
             "writer_parked": _ro_u32(b, H_WRITER_PARKED),
             "readers": readers,
+            "left": left,
             "published": _ro_u64(b, H_PUBLISHED),
             "reads": reads,
             "written": written,

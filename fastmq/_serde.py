@@ -3,24 +3,48 @@ reduced to raw bytes instead of torch's copying reducer.
 
 A writer keeps one ``Encoder`` for its lifetime: the pickler, its dispatch
 table and its buffer list are built once, not per message.
+
+torch is never imported here ahead of need: ``import fastmq`` stays fast and
+works without torch.  A message can only hold a tensor once something has
+imported torch, so the encoder registers the tensor reducer as soon as torch
+is in ``sys.modules``; decoding a tensor imports torch at that point.
 """
 from __future__ import annotations
 
 import copyreg
 import io
 import pickle
+import sys
 from pickle import PickleBuffer
 from typing import Any
 
-try:  # torch is optional: without it the queue carries everything else.
-    import torch
-except ImportError:  # pragma: no cover - exercised only without torch
-    torch = None
+# The torch module once a tensor has been encoded or decoded (see
+# ``_load_torch``); None until then.  torch is optional: without it the
+# queue carries everything else.
+torch: Any = None
 
 # Out-of-band buffers smaller than this stay in the pickle stream (as vLLM).
 OOB_MIN_BYTES = 1 << 20
 
 _DTYPES: dict[str, Any] = {}
+
+
+def _load_torch():
+    """Import torch now: a tensor is being encoded or decoded."""
+    global torch
+    import torch as module
+
+    torch = module
+    return module
+
+
+def _loaded_torch():
+    """torch if this process has imported it (far enough to define
+    ``Tensor``), else None; never imports it."""
+    module = sys.modules.get("torch")
+    if module is None or getattr(module, "Tensor", None) is None:
+        return None
+    return module
 
 
 def _dtype(name: str):
@@ -38,6 +62,8 @@ def rebuild_tensor(buf: Any, shape: tuple[int, ...], dtype_name: str):
     chunk, a ``zmq.Frame`` (zero copy; the frame owns its memory), an arena
     slot view, or ``bytes`` when the buffer travelled in band (copied so the
     tensor is writable)."""
+    if torch is None:
+        _load_torch()
     dtype = _dtype(dtype_name)
     if isinstance(buf, bytes):
         buf = bytearray(buf)
@@ -56,6 +82,8 @@ def rebuild_tensor(buf: Any, shape: tuple[int, ...], dtype_name: str):
 
 def reduce_tensor(t):
     """Reducer for exact ``torch.Tensor``: raw bytes as a ``PickleBuffer``."""
+    if torch is None:
+        _load_torch()  # already imported: ``t`` is a tensor
     if t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad:
         try:
             raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -67,10 +95,10 @@ def reduce_tensor(t):
     return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
 
 
-def _base_dispatch_table() -> dict:
+def _base_dispatch_table(torch_module: Any) -> dict:
     table = dict(copyreg.dispatch_table)
-    if torch is not None:
-        table[torch.Tensor] = reduce_tensor
+    if torch_module is not None:
+        table[torch_module.Tensor] = reduce_tensor
     return table
 
 
@@ -126,6 +154,9 @@ class Encoder:
     def __init__(self, arena: Any = None, oob_min_bytes: int = OOB_MIN_BYTES):
         self._bio = io.BytesIO()
         self._copyreg_len = len(copyreg.dispatch_table)
+        # True while the pickler was built without the tensor reducer because
+        # torch was not imported yet: ``encode`` rebuilds it once torch is.
+        self._torch_pending = True
         self._reducer_override = None
         to_slot = None
         if arena is not None:
@@ -141,12 +172,19 @@ class Encoder:
                                  buffer_callback=cb)
         else:
             p = pickle.Pickler(self._bio, protocol=5, buffer_callback=cb)
-        p.dispatch_table = _base_dispatch_table()
+        torch_module = _loaded_torch()
+        # Pending while torch is not (or only half) imported; not where its
+        # import is blocked (``sys.modules["torch"] = None``).
+        self._torch_pending = (torch_module is None
+                               and sys.modules.get("torch", True) is not None)
+        p.dispatch_table = _base_dispatch_table(torch_module)
         return p
 
     def encode(self, obj: Any) -> list:
-        if len(copyreg.dispatch_table) != self._copyreg_len:
-            # Somebody registered a reducer since: pick it up.
+        if len(copyreg.dispatch_table) != self._copyreg_len or (
+                self._torch_pending and "torch" in sys.modules):
+            # Somebody registered a reducer, or imported torch, since: pick
+            # it up (once torch is bound, the second test is one attribute).
             self._copyreg_len = len(copyreg.dispatch_table)
             self._pickler = self._new_pickler()
         bio = self._bio

@@ -10,6 +10,12 @@ header = (message id, number of payload frames).  Local overflow ids count
 send attempts, so a payload the writer abandoned (its ring mark never
 published) is recognised and skipped; remote ids count committed messages,
 so a remote reader sees any gap.
+
+A message is queued frame by frame.  When something interrupts it between
+frames (a socket error, an exception from a signal handler), the frames
+already queued would be glued to the next message; so the message is
+ended at once with a short ``ABORT`` frame in place of the mark, and a
+reader drops any message whose last frame is not the mark.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ HEADER = struct.Struct("<QI")
 FLUSH_FILL = bytes(9 * 1024)
 FLUSH_MARK_BYTES = 1024
 FLUSH_MARK = bytes(FLUSH_MARK_BYTES)
+ABORT = b"\x00"   # ends an interrupted message; any last frame but the mark does
 
 
 def tune_publisher(sock) -> None:
@@ -65,14 +72,43 @@ def tune_subscriber(sock) -> None:
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
-def send_message(sock, msg_id: int, buffers: list):
-    """Queue one socket message; return the tracker of its last frame."""
-    frames = [HEADER.pack(msg_id, len(buffers)), *buffers, FLUSH_FILL, FLUSH_MARK]
-    return sock.send_multipart(frames, copy=False, track=True)
+class SocketBroken(RuntimeError):
+    """A socket failed in the middle of a message and could not end it:
+    the stream on it can no longer be framed."""
 
 
-def split_message(frames: list, where: str) -> tuple[int, list]:
-    """(message id, payload frames) of a received socket message."""
+def send_message(sock, msg_id: int, buffers: list, copy: bool = False):
+    """Queue one socket message; return the tracker of its last frame.
+
+    ``copy``: the payload frames are copied now (else they reference the
+    caller's buffers until they leave this process).  If queueing stops
+    between frames, the frames already queued are ended with ``ABORT``
+    before the exception goes on (readers drop that message); if even that
+    fails, ``SocketBroken`` is raised from it."""
+    frames = [HEADER.pack(msg_id, len(buffers)), *buffers, FLUSH_FILL]
+    queued = 0
+    try:
+        for f in frames:
+            sock.send(f, zmq.SNDMORE, copy=copy)
+            queued += 1
+        return sock.send(FLUSH_MARK, copy=False, track=True)
+    except BaseException:
+        if queued:
+            try:
+                sock.send(ABORT)
+            except BaseException as e:
+                raise SocketBroken(
+                    f"fastmq: a socket failed in the middle of message {msg_id} and the "
+                    f"message could not be ended ({e!r}); this queue end cannot send "
+                    "any more") from e
+        raise
+
+
+def split_message(frames: list, where: str) -> tuple[int, list] | None:
+    """(message id, payload frames) of a received socket message; None for
+    a message its writer ended with ``ABORT`` (to be dropped)."""
+    if len(frames[-1]) != FLUSH_MARK_BYTES:
+        return None
     head = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
     if len(head) != HEADER.size:
         raise CorruptChunkError(f"fastmq: {where}: a socket message has a "
@@ -102,12 +138,14 @@ def wait_flushed(tracker, until: float | None, where: str, end) -> None:
 
     ``end`` (a queue end) is asked between slices: ``end.shutting_down``
     raises ``RuntimeError("cancelled")``, and ``end.check_readers_alive()``
-    raises if a reader died (it could never take the message)."""
+    raises if a reader died (it could never take the message).  ``end``
+    None: the message is committed (some reader may have it already), so
+    nothing but ``until`` ends the wait."""
     if tracker.done:
         return
     next_check = time.monotonic() + 0.2
     while True:
-        if end.shutting_down:
+        if end is not None and end.shutting_down:
             raise RuntimeError("cancelled")
         wait = FLUSH_SLICE_S
         if until is not None:
@@ -121,7 +159,7 @@ def wait_flushed(tracker, until: float | None, where: str, end) -> None:
             return
         except zmq.NotDone:
             pass
-        if time.monotonic() >= next_check:
+        if end is not None and time.monotonic() >= next_check:
             next_check = time.monotonic() + 0.2
             end.check_readers_alive()
 

@@ -9,15 +9,17 @@ that can fail or time out happens before that point.
 from __future__ import annotations
 
 import logging
-import os
+import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import zmq
 
-from fastmq import _config, _curve, _net, _sockets, segments
-from fastmq._ring import LONG_WAIT, READER_DIED, READY, WAIT_ZMQ
+from fastmq import _config, _curve, _handshake, _net, _sockets, cleanup, segments
+from fastmq._ring import (LONG_WAIT, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD, SLOT_FREE,
+                          SLOT_LEFT, WAIT_ZMQ)
 from fastmq._serde import Encoder
 from fastmq.handle import BufferHandle, Handle, HandleMismatchError
 from fastmq.ring import ShmRingBuffer
@@ -39,6 +41,27 @@ class _Stats:
 
 def _nbytes(buffers: list) -> int:
     return sum(memoryview(b).nbytes for b in buffers)
+
+
+# Signals whose Python handlers are held back while a message is being
+# committed to remote and local readers (see QueueWriter._send_with_remote);
+# faults that the kernel raises synchronously are never blocked.
+_HELD_SIGNALS = signal.valid_signals() - {
+    signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
+    signal.SIGTRAP, signal.SIGSYS, signal.SIGKILL, signal.SIGSTOP}
+
+
+@contextmanager
+def _signals_held():
+    """No signal handler runs inside: one that raises (KeyboardInterrupt)
+    or calls shutdown() could otherwise split a committed message, giving
+    it to the remote readers and not to the local ones.  A signal that
+    arrives meanwhile is handled right after."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _resolve_geometry(max_chunk_bytes: int, max_chunks: int) -> tuple[int, int]:
@@ -68,6 +91,9 @@ class QueueWriter:
             raise ValueError(f"local_reader_ranks {local_reader_ranks} does not have "
                              f"n_local_reader={n_local_reader} entries")
         max_chunk_bytes, max_chunks = _resolve_geometry(max_chunk_bytes, max_chunks)
+        if n_local_reader > 0:
+            # Queues whose writer was killed leave files nobody else removes.
+            cleanup.reap_dead_queues()
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_remote_reader = n_reader - n_local_reader
         self.shutting_down = False
@@ -76,8 +102,12 @@ class QueueWriter:
         # shutdown on another thread cannot close the queue between an
         # enqueue's last check and its publish (readers would then see
         # "closed" and stop before a message whose enqueue() returned).
-        # Re-entrant: a signal handler may call shutdown() mid-enqueue.
+        # Re-entrant: a signal handler may call shutdown() mid-enqueue;
+        # then the close waits for that enqueue() (``_close_pending``).
         self._send_lock = threading.RLock()
+        self._close_pending = False
+        self._remote_readers: set[bytes] = set()   # identities at the handshake
+        self._remote_subs = _handshake.Subscribers()
         self._overflow_id = 0       # last local overflow send attempt
         self._remote_seq = 0        # last message committed to remote readers
         self._remote_pending = None  # tracker of a remote message not yet flushed
@@ -100,7 +130,9 @@ class QueueWriter:
                 ring.warn_interval = _config.warning_interval()
                 self.local_socket = context.socket(zmq.XPUB)
                 sockets.append(self.local_socket)
-                self.local_socket.setsockopt(zmq.XPUB_VERBOSE, True)
+                # Every (un)subscription, so that the handshake counts the
+                # readers present (fastmq._handshake), not events.
+                self.local_socket.setsockopt(zmq.XPUB_VERBOSER, True)
                 _sockets.tune_publisher(self.local_socket)
                 local_subscribe_addr, path = _net.bind_ipc(self.local_socket)
                 paths.append(path)
@@ -115,7 +147,7 @@ class QueueWriter:
                     # ring notifies only while a reader is parked, so the
                     # pipe stays short anyway.
                     notify = self.notify_socket = context.socket(zmq.XPUB)
-                    notify.setsockopt(zmq.XPUB_VERBOSE, True)
+                    notify.setsockopt(zmq.XPUB_VERBOSER, True)
                     sockets.append(notify)
                     local_notify_addr, path = _net.bind_ipc(notify)
                     paths.append(path)
@@ -174,39 +206,109 @@ class QueueWriter:
 
     # -- handshake and shutdown ----------------------------------------------
     def wait_until_ready(self) -> None:
-        """Wait for every reader's subscription, then send READY on each
-        channel so that no later message can be missed."""
-        for _ in range(self.n_local_reader):
-            self.local_socket.recv()
-        if self.notify_socket is not None:
-            for _ in range(self.n_local_reader):
-                self.notify_socket.recv()
-        if self.n_local_reader > 0:
-            self._check_readers_are_fastmq()
-            self.local_socket.send(b"READY")
-        for _ in range(self.n_remote_reader):
-            self.remote_socket.recv()
-        if self.n_remote_reader > 0:
-            self.remote_socket.send(b"READY")
+        """Wait until every reader is subscribed, then send READY on each
+        channel so that no later message can be missed.
 
-    def _check_readers_are_fastmq(self) -> None:
-        # A fastmq reader claims its slot in the ring header before it
-        # subscribes; a subscriber without a claimed slot attached with
-        # vLLM's own MessageQueue, which would read this ring as vLLM's.
+        Readers are counted by identity (``fastmq._handshake``): a local
+        rank is ready when the live process that holds its ring slot has
+        subscribed; ``n_remote_reader`` remote identities must be present.
+        Waits in slices: ``shutdown()`` raises ``RuntimeError("cancelled")``,
+        and a local reader that died or left before the handshake raises
+        a ``RuntimeError`` naming it."""
+        local = [(self.local_socket, _handshake.Subscribers())] if self.n_local_reader else []
+        if self.notify_socket is not None:
+            local.append((self.notify_socket, _handshake.Subscribers()))
+        remote = self.remote_socket if self.n_remote_reader else None
+        poller = zmq.Poller()
+        for sock, _ in local:
+            poller.register(sock, zmq.POLLIN)
+        remote_done = remote is None
+        if remote is not None:
+            poller.register(remote, zmq.POLLIN)
+        local_done = not local
+        start = time.monotonic()
+        next_log = start + _config.warning_interval()
+        while True:
+            if self.shutting_down:
+                raise RuntimeError("cancelled")
+            if not local_done:
+                for sock, subs in local:
+                    subs.drain(sock)
+                if self._local_readers_ready(local):
+                    self.local_socket.send(b"READY")
+                    local_done = True
+            if not remote_done:
+                self._remote_subs.drain(remote)
+                if self._remote_subs.foreign:
+                    raise HandleMismatchError(
+                        "a remote reader of this fastmq queue attached with vLLM's own "
+                        "MessageQueue (it subscribed without a fastmq identity): fastmq "
+                        "is not active in its process. Activate fastmq in every "
+                        "process of the deployment or in none.")
+                if len(self._remote_subs.present) >= self.n_remote_reader:
+                    self._remote_readers = set(self._remote_subs.present)
+                    remote.send(b"READY")
+                    remote_done = True
+            if local_done and remote_done:
+                return
+            if time.monotonic() >= next_log:
+                next_log += _config.warning_interval()
+                logger.info("fastmq: the writer has waited %.0f s in wait_until_ready() "
+                            "for its readers: %s", time.monotonic() - start,
+                            self._missing_readers(local, local_done))
+            poller.poll(_sockets.RECV_SLICE_MS)
+
+    def _local_readers_ready(self, local) -> bool:
+        """Whether every local rank's slot is held by a live process that
+        has subscribed (by identity on the data socket; on the ZMQ-mode
+        notify socket, which carries no identities, one catch-all
+        subscription per reader); raises for a reader that died or left,
+        and for a subscriber that is not a fastmq reader."""
         ring = self.ring
-        unclaimed = [r for r in range(ring.n_reader) if ring.reader_identity(r)[0] == 0]
-        if unclaimed:
+        (_, data), *notify = local
+        ready = all(subs.catch_all >= ring.n_reader for _, subs in notify)
+        for rank in range(ring.n_reader):
+            pid, state = ring.reader_state(rank)
+            if state in (SLOT_DEAD, SLOT_LEFT):
+                raise RuntimeError(
+                    f"fastmq: local reader rank {rank} (pid {pid}) "
+                    f"{'died' if state == SLOT_DEAD else 'closed its end of the queue'} "
+                    "before the handshake completed; the writer cannot make progress")
+            if state != SLOT_ALIVE or not data.has(rank, pid):
+                ready = False
+        if data.foreign:
+            # A fastmq reader claims its slot, then subscribes with its
+            # identity; a subscriber without one attached with vLLM's own
+            # MessageQueue, which would read this ring as vLLM's.
+            unclaimed = [r for r in range(ring.n_reader)
+                         if ring.reader_state(r)[1] == SLOT_FREE]
             raise HandleMismatchError(
                 f"this MessageQueue handle was created by fastmq (ring segment "
-                f"{self.buffer.name!r}) but local reader(s) {unclaimed} attached with "
-                "vLLM's own MessageQueue: fastmq is not active in their process. "
+                f"{self.buffer.name!r}) but local reader(s) {unclaimed or '?'} attached "
+                "with vLLM's own MessageQueue: fastmq is not active in their process. "
                 "Install fastmq in every vLLM process's environment, unset "
                 "FASTMQ_VLLM=0, or call fastmq.vllm.patch() before vLLM creates "
                 "its queues.")
+        return ready
+
+    def _missing_readers(self, local, local_done: bool) -> str:
+        missing = []
+        if not local_done:
+            for rank in range(self.ring.n_reader):
+                pid, state = self.ring.reader_state(rank)
+                if state != SLOT_ALIVE or not local[0][1].has(rank, pid):
+                    missing.append(f"local rank {rank}" + (f" (pid {pid})" if pid else ""))
+        if self.n_remote_reader and not self._remote_readers:
+            have = len(self._remote_subs.present)
+            missing.append(f"{self.n_remote_reader - have} of {self.n_remote_reader} "
+                           "remote readers")
+        return ", ".join(missing) or "none"
 
     def shutdown(self) -> None:
         """An enqueue() on another thread either completes (its message is
-        delivered before readers see the queue closed) or raises."""
+        delivered before readers see the queue closed) or raises.  Called
+        by a signal handler in the middle of this thread's enqueue(), it
+        closes the ring when that enqueue() is done."""
         self.shutting_down = True
         ring = self.ring
         if ring is None:
@@ -214,10 +316,20 @@ class QueueWriter:
         # Wake first: an enqueue() blocked on a full ring or a flush raises
         # "cancelled" and lets go of the send lock.
         ring.cancel()
+        if self._send_lock._is_owned():
+            # This thread is inside enqueue() (we run in a signal handler):
+            # closing now could let readers stop before a message that
+            # enqueue() is about to publish.
+            self._close_pending = True
+            return
         with self._send_lock:
-            ring.mark_closed()
+            self._close_ring()
+
+    def _close_ring(self) -> None:
+        self._close_pending = False
+        self.ring.mark_closed()
         # Wake parked readers again, now that they can see "closed".
-        ring.cancel()
+        self.ring.cancel()
 
     # -- waiting for the ring ---------------------------------------------------
     def _wait_turn(self, timeout: float | None) -> None:
@@ -239,16 +351,17 @@ class QueueWriter:
                             ring.waited, behind or "none")
             elif status == READER_DIED:
                 raise RuntimeError(
-                    f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) died without "
-                    f"reading chunk {ring.current_idx}; the writer cannot make progress")
+                    f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) "
+                    f"{_gone(ring)} without reading chunk {ring.current_idx}; the writer "
+                    "cannot make progress")
             status = ring.continue_wait()
 
     def check_readers_alive(self) -> None:
-        """Raise if a local reader died: it can never take a message."""
+        """Raise if a local reader died or left: it can never take a message."""
         ring = self.ring
         if ring is not None and ring.peer_status() == READER_DIED:
             raise RuntimeError(f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) "
-                               "died; the writer cannot deliver to it")
+                               f"{_gone(ring)}; the writer cannot deliver to it")
 
     # -- raw chunk access ---------------------------------------------------------
     @contextmanager
@@ -263,49 +376,55 @@ class QueueWriter:
     # -- messages -----------------------------------------------------------------
     def enqueue(self, obj: Any, timeout: float | None) -> None:
         with self._send_lock:
-            if self.shutting_down:
-                raise RuntimeError("cancelled")
-            arena = self.tensor_arena
-            ring = self.ring
-            published = ring.n_published if ring is not None else 0
-            remote = None
             try:
-                buffers = self.encoder.encode(obj)
-                if self.n_remote_reader == 0:
-                    framed = ring.send(buffers, timeout)
-                    if framed < 0:
-                        # A wait status (nothing sent): act on it, then the
-                        # chunk is free and the send does not wait again.
-                        self._keep_waiting(-framed)
+                if self.shutting_down:
+                    raise RuntimeError("cancelled")
+                arena = self.tensor_arena
+                ring = self.ring
+                published = ring.n_published if ring is not None else 0
+                remote = None
+                try:
+                    buffers = self.encoder.encode(obj)
+                    if self.n_remote_reader == 0:
                         framed = ring.send(buffers, timeout)
-                    if framed:
-                        stats = self.stats_
-                        stats.ring_messages += 1
-                        stats.ring_bytes += framed
+                        if framed < 0:
+                            # A wait status (nothing sent): act on it, then the
+                            # chunk is free and the send does not wait again.
+                            self._keep_waiting(-framed)
+                            framed = ring.send(buffers, timeout)
+                        if framed:
+                            stats = self.stats_
+                            stats.ring_messages += 1
+                            stats.ring_bytes += framed
+                        else:
+                            # Too big for a chunk (send waited for nothing): one
+                            # deadline covers the wait for a chunk and the flush.
+                            until = _sockets.deadline(timeout)
+                            self._wait_turn(timeout)
+                            self._send_overflow(buffers, until)
                     else:
-                        # Too big for a chunk (send waited for nothing): one
-                        # deadline covers the wait for a chunk and the flush.
                         until = _sockets.deadline(timeout)
-                        self._wait_turn(timeout)
-                        self._send_overflow(buffers, until)
-                else:
-                    remote = self._send_with_remote(buffers, timeout)
-            except BaseException:
+                        remote = self._send_with_remote(buffers, timeout, until)
+                except BaseException:
+                    if arena is not None:
+                        if ring is not None and ring.n_published != published:
+                            # The chunk naming these slots is out: readers own
+                            # the slots now and release them.
+                            arena.commit()
+                        else:
+                            # Never published to a reader: the slots are free again.
+                            arena.abort()
+                    raise
                 if arena is not None:
-                    if ring is not None and ring.n_published != published:
-                        # The chunk naming these slots is out: readers own
-                        # the slots now and release them.
-                        arena.commit()
-                    else:
-                        # Never published to a reader: the slots are free again.
-                        arena.abort()
-                raise
-            if arena is not None:
-                self._commit_arena()
-            if self._zmq_wakeup and ring.notify_errors and not self._notify_failure_logged:
-                self._log_notify_failure()
-            if remote is not None:
-                self._flush_remote(remote, _sockets.deadline(timeout))
+                    self._commit_arena()
+                if self._zmq_wakeup and ring.notify_errors and not self._notify_failure_logged:
+                    self._log_notify_failure()
+                if remote is not None:
+                    self._flush_remote(remote, until)
+            finally:
+                if self._close_pending:
+                    # shutdown() ran in a signal handler during this call.
+                    self._close_ring()
 
     def _log_notify_failure(self) -> None:
         # Once: it would otherwise repeat on every message.
@@ -328,11 +447,11 @@ class QueueWriter:
         stats.overflow_messages += 1
         stats.overflow_bytes += _nbytes(buffers)
 
-    def _send_with_remote(self, buffers: list, timeout: float | None):
+    def _send_with_remote(self, buffers: list, timeout: float | None, until: float | None):
         """Everything that can fail or time out happens before the remote
         send; the remote send is the commit point, and the ring publish
-        after it cannot fail.  Returns the remote message's tracker."""
-        until = _sockets.deadline(timeout)
+        after it neither waits nor fails, nor can a signal handler run
+        between the two.  Returns the remote message's tracker."""
         ring = self.ring
         if ring is not None:
             self._wait_turn(timeout)
@@ -352,48 +471,65 @@ class QueueWriter:
             self._overflow_id += 1
             tracker = _sockets.send_message(self.local_socket, self._overflow_id, buffers)
             _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
-        self._remote_seq += 1
-        tracker = _sockets.send_message(self.remote_socket, self._remote_seq, buffers)
         stats = self.stats_
         nbytes = _nbytes(buffers)
+        with _signals_held():
+            # With a deadline, enqueue() may return before the message has
+            # left this process (see _flush_remote): then the frames must
+            # not be the caller's memory, which it may change after.
+            try:
+                tracker = _sockets.send_message(self.remote_socket, self._remote_seq + 1,
+                                                buffers, copy=until is not None)
+            except _sockets.SocketBroken as e:
+                self._remote_broken = str(e)
+                raise
+            self._remote_seq += 1
+            if ring is not None:
+                if overflow:
+                    ring.send_overflow_mark(self._overflow_id)
+                    stats.overflow_messages += 1
+                    stats.overflow_bytes += nbytes
+                else:
+                    stats.ring_bytes += ring.send(buffers, None, True)
+                    stats.ring_messages += 1
         stats.remote_messages += 1
         stats.remote_bytes += nbytes
-        if ring is not None:
-            if overflow:
-                ring.send_overflow_mark(self._overflow_id)
-                stats.overflow_messages += 1
-                stats.overflow_bytes += nbytes
-            else:
-                stats.ring_bytes += ring.send(buffers)
-                stats.ring_messages += 1
         return tracker
 
     def _flush_remote(self, tracker, until: float | None) -> None:
         """Wait until the committed remote message has left this process.
-        Past the deadline (or on shutdown) it stays queued and the next
-        enqueue() waits for it first."""
+
+        It is committed (readers may have it already), so neither
+        ``shutdown()`` nor a dead local reader ends this wait: with no
+        deadline, enqueue() returns only once the message is out.  Past a
+        deadline it stays queued (sent from a copy) and the next enqueue()
+        waits for it first."""
         self._remote_pending = tracker
         try:
-            _sockets.wait_flushed(tracker, until, "the remote readers' socket", self)
-        except (TimeoutError, RuntimeError):
+            _sockets.wait_flushed(tracker, until, "the remote readers' socket", None)
+        except TimeoutError:
             return
         self._remote_pending = None
 
     def _check_remote_readers(self) -> None:
         """Raise if a remote reader disconnected since the handshake: the
         messages it missed cannot be replayed, so sending on would drop
-        them for it silently."""
+        them for it silently.  Anyone else who subscribes or leaves (not a
+        reader of this queue) changes nothing."""
         sock = self.remote_socket
-        while self._remote_broken is None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            event = sock.recv(zmq.NOBLOCK)
-            if event[:1] == b"\x00":
-                self._remote_broken = (
-                    "a remote reader disconnected from the writer after the handshake; "
-                    "messages sent since would not reach it, and a remote reader "
-                    "cannot rejoin a running queue")
-            elif event[:1] == b"\x01":
-                logger.warning("fastmq: a remote client subscribed to the queue after the "
-                               "handshake; it is not one of the queue's readers")
+        if self._remote_broken is None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            for subscribed, who in self._remote_subs.drain(sock):
+                if who not in self._remote_readers:
+                    if subscribed:
+                        logger.warning("fastmq: a remote reader subscribed to the queue "
+                                       "after the handshake; it is not one of the queue's "
+                                       "readers and receives nothing")
+                elif not subscribed:
+                    self._remote_broken = (
+                        "a remote reader disconnected from the writer after the handshake; "
+                        "messages sent since would not reach it, and a remote reader "
+                        "cannot rejoin a running queue")
+                    break
         if self._remote_broken is not None:
             raise RuntimeError(f"fastmq: {self._remote_broken}")
 
@@ -415,3 +551,8 @@ class QueueWriter:
         if self.tensor_arena is not None:
             out.update(self.tensor_arena.stats())
         return out
+
+
+def _gone(ring) -> str:
+    """How the reader that ``ring.dead_rank`` names went away."""
+    return "closed its end of the queue" if ring.dead_left else "died"

@@ -49,9 +49,10 @@ _SEGMENT = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+$")
 _IPC = re.compile(rf"^{IPC_PREFIX}(\d+)_[0-9a-f]+\.ipc$")
 _BIND_DIR = re.compile(rf"^{IPC_PREFIX}(\d+)_\w+\.bind$")
 
-def ring_creator(path: str) -> tuple[int, int] | None:
-    """(pid, start time) from the header of the ring segment at ``path``,
-    or None when the file is not a complete fastmq ring."""
+def ring_creator(path: str, with_pidns: bool = False) -> tuple | None:
+    """(pid, start time) from the header of the ring segment at ``path``
+    (``with_pidns``: and the writer's pid namespace), or None when the file
+    is not a complete fastmq ring."""
     # No following links, no blocking on a FIFO someone planted under our
     # prefix: only a regular file can be a ring.
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -61,7 +62,7 @@ def ring_creator(path: str) -> tuple[int, int] | None:
         head = os.read(fd, CREATOR_BYTES)
     finally:
         os.close(fd)
-    return _header_creator(head)
+    return _header_creator(head, with_pidns)
 
 
 def _segment_alive(path: str, name_pid: int) -> bool:
@@ -204,6 +205,40 @@ def remove_files_of(pid: int, started: int) -> list[str]:
     return removed
 
 
+def reap_dead_queues() -> list[str]:
+    """Remove the files of every queue on this host whose writer has ended
+    without removing them (SIGKILL, the OOM killer, a process that left
+    through ``os._exit``), as ``remove_files_of`` its writer.  Run by every
+    new writer, so that a host that restarts a killed engine again and
+    again does not fill ``/dev/shm``.
+
+    Only rings whose header records this process's pid namespace are
+    judged: ``/dev/shm`` is often shared between containers whose pids
+    mean nothing here (``--ipc=host``), and their queues must never be
+    touched.  ``fastmq cleanup`` does the rest, where an operator runs it."""
+    ns = _proc.pid_namespace()
+    if not ns:
+        return []
+    try:
+        names = os.listdir(SHM_PATH)
+    except OSError:
+        return []
+    me = os.getpid()
+    removed = []
+    for name in names:
+        m = _SEGMENT.match(name)
+        if not m or m[2] != "ring" or int(m[1]) == me:
+            continue
+        try:
+            creator = ring_creator(os.path.join(SHM_PATH, name), with_pidns=True)
+        except OSError:
+            continue
+        if creator is None or creator[2] != ns or creator[0] != int(m[1]):
+            continue
+        removed += remove_files_of(creator[0], creator[1])
+    return removed
+
+
 def remove_dead_writer(ring) -> list[str]:
     """``remove_files_of`` the writer a reader end of ``ring`` names in its
     header, if that writer has ended (killed, or killed after it closed the
@@ -213,4 +248,5 @@ def remove_dead_writer(ring) -> list[str]:
     return remove_files_of(ring.writer_pid, ring.writer_start)
 
 
-__all__ = ["cleanup", "ring_creator", "remove_files_of", "remove_dead_writer"]
+__all__ = ["cleanup", "ring_creator", "reap_dead_queues", "remove_files_of",
+           "remove_dead_writer"]

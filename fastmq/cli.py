@@ -19,6 +19,18 @@ import sys
 import time
 
 
+def cleanup_hint(listing: dict) -> str | None:
+    """The line ``fastmq ls`` ends with when some queue's writer is dead:
+    its files stay until ``fastmq cleanup`` removes them."""
+    dead = [q["name"] for q in listing["queues"] if q["writer"]["state"] == "dead"]
+    if not dead:
+        return None
+    which, its = (("1 queue has", "its") if len(dead) == 1 else
+                  (f"{len(dead)} queues have", "their"))
+    return (f"{which} a dead writer: `fastmq cleanup` removes {its} files "
+            "(`fastmq cleanup --dry-run` lists them first).")
+
+
 def _ls(args) -> int:
     from fastmq.listing import format_text, list_queues
 
@@ -27,7 +39,8 @@ def _ls(args) -> int:
         if args.json:
             # One document per line, so that a watched stream stays parseable.
             return json.dumps(listing, indent=None if args.watch else 2)
-        return format_text(listing)
+        hint = cleanup_hint(listing)
+        return format_text(listing) + (f"\n{hint}" if hint else "")
 
     if not args.watch:
         print(once())

@@ -47,7 +47,7 @@ class Handle:
     # when the remote path uses CURVE (see fastmq._curve); kept out of repr
     # so that logging the handle does not print the secret.
     remote_curve_keys: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
-    # fastmq only: how many readers in all, so that a bad rank is refused.
+    # fastmq only: how many readers in all, local and remote.
     n_reader: int | None = None
 
 
@@ -60,26 +60,25 @@ def vllm_ring_error(buffer_handle) -> HandleMismatchError:
 
 
 def check_rank(handle: Handle, rank) -> int:
-    """``rank`` as an int if ``handle`` has a reader of that rank, else
-    ``ValueError`` naming the valid ranks."""
+    """``rank`` as an int, if a reader of that rank can attach to ``handle``.
+
+    As in vLLM, a rank listed in ``handle.local_reader_ranks`` is a local
+    reader and any other rank is a remote one (vLLM's executor attaches to
+    its peers' response queues as rank -1).  Refused, with ``ValueError``:
+    a rank that is not an integer, and a rank not listed when the queue has
+    no remote address (there is nothing such a reader could connect to)."""
     local = list(handle.local_reader_ranks)
     remote = handle.remote_subscribe_addr is not None
     if remote:
-        n = handle.n_reader
-        # Remote readers are the ranks not listed as local; with the writer
-        # in the same group, ranks run up to n_reader.
-        valid = (f"local reader ranks {local}, or a remote reader rank in 0..{n} "
-                 "not listed there" if n is not None else
-                 f"local reader ranks {local}, or a remote reader rank >= 0")
+        valid = (f"local reader ranks {local}; any other rank attaches as a remote "
+                 "reader")
     else:
-        valid = f"the local reader ranks {local}"
+        valid = f"the local reader ranks {local} and no remote readers"
     if isinstance(rank, bool) or not hasattr(type(rank), "__index__"):
         raise ValueError(f"fastmq: reader rank {rank!r} is not an integer; this queue "
                          f"has {valid}")
     rank = operator.index(rank)
-    ok = rank in local or (remote and rank >= 0 and
-                           (handle.n_reader is None or rank <= handle.n_reader))
-    if not ok:
+    if rank not in local and not remote:
         raise ValueError(f"fastmq: reader rank {rank} is not a reader of this queue: "
                          f"it has {valid}")
     return rank

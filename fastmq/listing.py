@@ -102,13 +102,13 @@ def _mappers() -> dict[str, set[int]]:
 def _ring_entry(name: str, snap: dict, size: int, used: int) -> dict:
     writer_next, pos = positions(snap["published"], snap["reads"], snap["max_chunks"])
     readers = []
-    for rank, ((pid, started), p) in enumerate(zip(snap["readers"], pos)):
+    for rank, ((pid, started), left, p) in enumerate(zip(snap["readers"], snap["left"], pos)):
         if pid == 0:
             proc = {"pid": None, "name": None, "alive": None}
             state = "not attached"
         else:
             proc = _process(pid, started)
-            state = "alive" if proc["alive"] else "dead"
+            state = "left" if left else "alive" if proc["alive"] else "dead"
         readers.append({"rank": rank, **proc, "state": state, **p})
     writer = _process(snap["writer_pid"], snap["writer_start"])
     writer["state"] = ("closed" if snap["writer_closed"]

@@ -87,8 +87,11 @@ class MessageQueue:
 
     @staticmethod
     def create_from_handle(handle: Handle, rank: int) -> "MessageQueue":
-        """Attach as reader ``rank`` (a local reader when ``rank`` is in
-        ``handle.local_reader_ranks``, otherwise a remote one)."""
+        """Attach as reader ``rank``: a local reader when ``rank`` is in
+        ``handle.local_reader_ranks``, otherwise a remote one (any other
+        integer, -1 included, as vLLM's executor attaches to its peers'
+        response queues).  ``ValueError`` for a rank that is not an integer,
+        or that is not local on a queue with no remote readers."""
         rank = check_rank(handle, rank)
         self = MessageQueue.__new__(MessageQueue)
         if rank in handle.local_reader_ranks:
@@ -135,6 +138,8 @@ class MessageQueue:
         completes (and its message is delivered before readers see the
         queue closed) or raises; it never returns for a message that
         readers then miss."""
+        if self._forked_from is not None:
+            raise self._forked()
         self._end.shutdown()
 
     # -- messages ----------------------------------------------------------------
@@ -195,6 +200,8 @@ class MessageQueue:
     def acquire_write(self, timeout: float | None = None) -> Iterator[memoryview]:
         """Yield the next chunk's bytes; publish it when the block exits
         normally (an exception leaves the chunk unpublished and reusable)."""
+        if self._forked_from is not None:
+            raise self._forked()
         if not self._end.is_writer or self._end.ring is None:
             raise RuntimeError("Only writers can acquire write")
         with self._end.acquire_write(timeout) as buf:
@@ -205,6 +212,8 @@ class MessageQueue:
                      indefinite: bool = False) -> Iterator[memoryview]:
         """Yield this reader's next chunk; it is marked read on exit, even
         when the block raises."""
+        if self._forked_from is not None:
+            raise self._forked()
         if not isinstance(self._end, LocalReader):
             raise RuntimeError("Only readers can acquire read")
         with self._end.acquire_read(timeout, indefinite) as buf:

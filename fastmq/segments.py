@@ -52,9 +52,30 @@ def check_shm_free_space(
 # not remove its parent's files.
 _owned_segments: dict[str, int] = {}
 _owned_paths: dict[str, int] = {}
+_exit_hook_pid = 0
+
+
+def _hook_exit() -> None:
+    """Make sure ``_remove_leftovers`` runs when this process exits.
+
+    ``atexit`` covers an interpreter that exits normally.  A
+    ``multiprocessing`` child (fork start method, vLLM's default for its
+    workers; and any child whose target raised) ends with ``os._exit``,
+    which runs no ``atexit`` hook -- but multiprocessing runs its own exit
+    finalizers first.  The child starts with none of its parent's, so
+    each process that owns files registers one."""
+    global _exit_hook_pid
+    me = os.getpid()
+    if _exit_hook_pid == me:
+        return
+    _exit_hook_pid = me
+    from multiprocessing import util
+
+    util.Finalize(None, _remove_leftovers, exitpriority=0)
 
 
 def remove_at_exit(paths) -> None:
+    _hook_exit()
     for p in paths:
         _owned_paths[p] = os.getpid()
 
@@ -99,6 +120,7 @@ def create_segment(kind: str, size: int, what: str, required: int | None = None)
     # ``required``: what must fit now, when the segment reserves its pages as
     # they are first used (the ring), instead of its whole size.
     check_shm_free_space(size if required is None else required, allocation_name=what)
+    _hook_exit()
     seg = Segment.create(new_segment_name(kind), size)
     _owned_segments[seg.name] = os.getpid()
     return seg

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fastmq.bench import config, harness, report, verify
+from fastmq.bench.impls import vllm_counterpart
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,10 +146,22 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
             assert f["vs_vllm"] == pytest.approx(v["p50"] / f["p50"]), (scenario, mine)
             assert v["vs_vllm"] is None  # vLLM is the reference, not compared with itself
 
-    # The terminal table is on stdout, ratios and the summary too.
+    # The summary and the notes are on stdout; every scenario's table only
+    # with --tables (and in RESULTS.md, below).
+    assert "summary:" in proc.stdout and "rerun with --tables" in proc.stdout
     for s in measured:
-        assert report.TITLES[s].split(":")[0] + ":" in proc.stdout
-    assert "vs vLLM" in proc.stdout and "summary:" in proc.stdout
+        assert report.TITLES[s] not in proc.stdout
+    # Nothing after the report: modules vLLM imports print pages of
+    # "nanobind: leaked ..." at interpreter teardown, which the command skips.
+    assert "nanobind" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-3000:]
+    tables = subprocess.run([sys.executable, "-m", "fastmq.bench", "--from-json",
+                             str(paths["json"]), "--tables"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert tables.returncode == 0, tables.stderr[-3000:]
+    for s in measured:
+        assert report.TITLES[s] in tables.stdout
+    assert "vs vLLM" in tables.stdout and "--tables" not in tables.stdout
 
 
 def test_quick_output_names_no_issue_numbers_or_targets(quick_run):
@@ -353,8 +366,8 @@ def test_ratios_compare_like_with_like_in_one_convention():
     for r in recs:
         r.setdefault("runs", 1)
     headers, rows = report.tensor_matrix(recs)
-    assert ["arena", "64 MiB", "30.0 / 120 = 4.0x"] in rows
-    assert ["arena off", "64 MiB", "300 / 150 = 0.50x"] in rows
+    assert ["arena", "64 MiB", "120 / 30.0 = 4.00x"] in rows
+    assert ["arena off", "64 MiB", "150 / 300 = 0.500x"] in rows
 
 
 def test_repeated_runs_merge_to_the_median_with_spread():
@@ -371,10 +384,11 @@ def test_repeated_runs_merge_to_the_median_with_spread():
     assert f["runs"] == 3 and f["p50"] == 20.0 and f["p50_runs"] == [10.0, 30.0, 20.0]
     assert f["samples"] == 300 and f["min"] == 5.0 and f["max"] == 60.0
     assert f["samples_ns"] == [1, 2] * 3
-    # The ratio is the median of the runs' paired ratios (5, 2, 4.5).
-    assert f["vs_vllm"] == pytest.approx(4.5)
+    # The ratio is the quotient of the medians printed beside it (60 / 20),
+    # not the median of the runs' own ratios (5, 2, 4.5), which are kept.
+    assert f["vs_vllm"] == pytest.approx(3.0)
+    assert f["vs_vllm_runs"] == pytest.approx([5.0, 2.0, 4.5])
     assert report.spread(f) == "10.0..30.0"
-    assert report.spread(f, "vs_vllm", report.ratio) == "2.0x..5.0x"
 
 
 def test_a_floor_slower_than_what_it_bounds_is_marked():
@@ -431,7 +445,7 @@ def test_a_json_file_from_an_older_run_renders_under_todays_rules(tmp_path):
     text = md.read_text()
     assert "issue" not in text and "target" not in text and "x_floor" not in text
     # fastmq's arena is compared with vLLM's arena now, not with vLLM without one.
-    assert "| arena | 128 MiB | 20.0 / 40.0 = 2.0x |" in text
+    assert "| arena | 128 MiB | 40.0 / 20.0 = 2.00x |" in text
     assert "One run: figures are not medians of repeated runs." in text
 
 
@@ -580,3 +594,134 @@ def test_vllm_baseline_is_vllms_own_queue():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "vllm.distributed.device_communicators.shm_broadcast"
+
+
+# ---------------------------------------------------------------------------
+# the arithmetic of every generated table
+
+_QUOTIENT = re.compile(r"(\d[\d.]*) / (\d[\d.]*) = (\d[\d.]*)x")
+_FIGURE = re.compile(r"(\d[\d.]*)( [kM])?")
+
+
+def _figure(cell: str) -> float:
+    """The first figure in a cell, ``231.8 k msg/s`` -> 231800."""
+    m = _FIGURE.search(cell)
+    assert m, cell
+    return float(m.group(1)) * {None: 1, " k": 1e3, " M": 1e6}[m.group(2)]
+
+
+def _close(printed: float, a: float, b: float) -> bool:
+    # Within 3% of a / b: the figures are printed to three digits.
+    return b > 0 and abs(printed - a / b) <= 0.03 * (a / b)
+
+
+def _md_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    tables, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif block:
+            tables.append((block[0], block[2:]))
+            block = []
+    return tables
+
+
+def arithmetic_errors(text: str) -> list[str]:
+    """Every ratio in ``text`` (a report, RESULTS.md, the README) that is
+    not the quotient of the two figures printed beside it, in the
+    direction its table states."""
+    bad = []
+    # ``a / b = rx`` cells: literally a / b.
+    for a, b, r in _QUOTIENT.findall(text):
+        if not _close(float(r), float(a), float(b)):
+            bad.append(f"{a} / {b} = {r}x")
+    for headers, rows in _md_tables(text):
+        if headers == ["figure", "fastmq", "compared with", "ratio"]:
+            # The reference's time / fastmq's (for rates: fastmq's / the reference's).
+            for fig, mine, ref, r in rows:
+                if not r:
+                    continue
+                a, b = _figure(mine), _figure(ref)
+                ok = (_close(_figure(r), a, b) if "msg/s" in mine
+                      else _close(_figure(r), b, a))
+                if not ok:
+                    bad.append(f"{fig}: {mine} against {ref} = {r}")
+        if "vs vLLM" not in headers:
+            continue
+        # A scenario's table: "vs vLLM" / "vs floor" against the row of the
+        # reference with the same reader count and size.
+        value = next(i for i, h in enumerate(headers) if h.startswith(("p50", "msgs/s")))
+        impl = headers.index("implementation")
+        keys = [i for i in range(value) if i != impl and headers[i] != "idle before"]
+        by = {(tuple(row[i] for i in keys), row[impl].replace(" (!)", "")): row
+              for row in rows}
+        rate = headers[value].startswith("msgs/s")
+        for key, row in by.items():
+            for col, ref_impl in (("vs vLLM", vllm_counterpart(key[1])), ("vs floor", "floor"),
+                                  ("vs pipe floor", "floor-pipe")):
+                if col not in headers or row[headers.index(col)] == "-":
+                    continue
+                ref = by.get((key[0], ref_impl))
+                assert ref is not None, (key, col)
+                a, b = _figure(row[value]), _figure(ref[value])
+                r = _figure(row[headers.index(col)])
+                if not (_close(r, a, b) if rate else _close(r, b, a)):
+                    bad.append(f"{key} {col}: {row[value]} against {ref[value]} = "
+                               f"{row[headers.index(col)]}")
+    return bad
+
+
+def _merged_runs() -> list[dict]:
+    """Three runs whose per-run ratios have a median far from the quotient
+    of the medians (as on a busy machine)."""
+    mib = 64 * config.MiB
+    runs = []
+    for k, (f, v) in enumerate(((10.0, 50.0), (30.0, 60.0), (20.0, 90.0))):
+        run = []
+        for scenario, impl, p50, size in (
+                ("step", "fastmq-futex", f, config.KiB), ("step", "vllm", v, config.KiB),
+                ("step", "floor", f / 4 + k, config.KiB),
+                ("tensor", "fastmq-futex+arena", f, mib), ("tensor", "vllm+arena", v, mib),
+                ("tensor", "fastmq-futex", v, mib), ("tensor", "vllm", f, mib),
+                ("tensor", "floor", f / 5 + k, mib),
+                ("wake", "fastmq-futex", f * 10, None), ("wake", "vllm", v * 10, None),
+                ("wake", "floor-pipe", v, None), ("wake", "floor-futex", f, None)):
+            run.append(_rec(scenario, impl, p50, size, samples=10, min=p50, max=p50, p90=p50,
+                            p99=p50, mean=p50, warmup=1, first_ms=p50, idle_before_s=0.1,
+                            spin_s=0.0, cpu_pct=None, cpu_window_s=1.0))
+        run += [{"scenario": "throughput", "impl": "fastmq-futex", "n_readers": 1,
+                 "size_bytes": 64, "rate": 1e5 * (k + 1) ** 2, "rate_min": 1.0,
+                 "rate_max": 1e9, "messages": 10},
+                {"scenario": "throughput", "impl": "vllm", "n_readers": 1, "size_bytes": 64,
+                 "rate": 3e4 * (3 - k), "rate_min": 1.0, "rate_max": 1e9, "messages": 10}]
+        report.annotate(run)
+        runs.append(run)
+    return report.merge(runs)
+
+
+def _result(records: list[dict]) -> dict:
+    return {"command": "python -m fastmq.bench --full", "started": "2026-01-01T00:00:00+00:00",
+            "duration_s": 1.0, "config": {"preset": "full"}, "notes": ["a note"],
+            "machine": {"cpu_model": "cpu", "usable_cpus": 2, "logical_cpus": 2,
+                        "memory_bytes": None, "kernel": "k", "python": "3"},
+            "versions": {"fastmq": "0"}, "records": records}
+
+
+def test_every_generated_table_adds_up(tmp_path):
+    """Each ratio printed in a report is the quotient of the two figures
+    printed beside it: in the scenario tables, the summary, the tensor
+    matrix; from repeated runs (where the median of the runs' ratios is not
+    that quotient), from bench/results.json, and in the README."""
+    merged = _result(_merged_runs())
+    texts = {"terminal": report.terminal(merged), "readme block": report.readme_block(merged)}
+    report.write_markdown(str(tmp_path / "merged.md"), merged, [])
+    texts["RESULTS.md of repeated runs"] = (tmp_path / "merged.md").read_text()
+    saved = report.load_results(os.path.join(ROOT, "bench", "results.json"))
+    report.write_markdown(str(tmp_path / "saved.md"), saved, [])
+    texts["RESULTS.md from bench/results.json"] = (tmp_path / "saved.md").read_text()
+    texts["README.md"] = open(os.path.join(ROOT, "README.md")).read()
+    for name, text in texts.items():
+        assert arithmetic_errors(text) == [], name
+    # The checker itself catches a ratio that is not the quotient.
+    assert arithmetic_errors("| a | b |\n| --- | --- |\n| x | 7.17 / 7.75 = 0.98x |\n")
+    assert len(_QUOTIENT.findall(texts["RESULTS.md of repeated runs"])) == 2

@@ -74,13 +74,6 @@ def test_cleanup_after_killed_run_removes_exactly_the_dead_queue(procs, spawn_ct
     p.join(10)
     assert all(os.path.exists(f) for f in dead_files)   # SIGKILL: nothing removed them
 
-    # A queue created after the crash works while the old segments exist.
-    after = MessageQueue(1, 1, wait_mode="zmq")
-    after_reader = MessageQueue.create_from_handle(after.export_handle(), 0)
-    after.wait_until_ready()
-    after_reader.wait_until_ready()
-    _round_trip(after, after_reader, {"after": "crash"})
-
     # Dry run lists them and removes nothing.
     listed = set(_cli("--dry-run"))
     assert dead_files <= listed
@@ -92,7 +85,16 @@ def test_cleanup_after_killed_run_removes_exactly_the_dead_queue(procs, spawn_ct
     assert {f for f in removed if _pid_of(f) == p.pid} == dead_files
     assert not any(_proc.is_alive(_pid_of(f)) for f in removed)
     assert not any(os.path.exists(f) for f in dead_files)
-    assert all(os.path.exists(f) for f in live_files | _queue_files(after.handle))
+    assert all(os.path.exists(f) for f in live_files)
+
+    # A queue created after the crash works (had cleanup not run, creating
+    # it would have removed the dead queue's files: test_lifecycle).
+    after = MessageQueue(1, 1, wait_mode="zmq")
+    after_reader = MessageQueue.create_from_handle(after.export_handle(), 0)
+    after.wait_until_ready()
+    after_reader.wait_until_ready()
+    _round_trip(after, after_reader, {"after": "crash"})
+    assert all(os.path.exists(f) for f in live_files)
     _round_trip(live, live_reader, "still alive")
     _round_trip(after, after_reader, "me too")
     assert p.pid not in {_pid_of(f) for f in fastmq.cleanup(dry_run=True)}

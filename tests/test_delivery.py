@@ -81,7 +81,7 @@ def test_failed_overflow_send_delivers_nothing():
     w, (r,) = local_pair(1, max_chunk_bytes=CHUNK, max_chunks=8,
                          enable_shm_tensor_arena=False)
     sock = w.local_socket
-    real = sock.send_multipart
+    real = sock.send
     calls = []
 
     def failing_once(*a, **kw):
@@ -90,7 +90,7 @@ def test_failed_overflow_send_delivers_nothing():
             raise zmq.ZMQError(zmq.EAGAIN, "injected send failure")
         return real(*a, **kw)
 
-    sock.send_multipart = failing_once
+    sock.send = failing_once
     with pytest.raises(zmq.ZMQError):
         w.enqueue(dc.message(0, 300_000))
     sizes = [300_000, 300_000, 100, 300_000]

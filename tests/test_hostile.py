@@ -61,10 +61,12 @@ def test_bad_rank_local_queue(rank):
     assert [r.dequeue(timeout=10) for r in rs] == ["ok", "ok"]
 
 
-@pytest.mark.parametrize("rank", [-1, 3, 99, None, "1", 2.0])
+@pytest.mark.parametrize("rank", [None, "1", 2.0, True])
 def test_bad_rank_mixed_queue(rank):
+    # Any integer not listed as local is a remote reader there, as in vLLM
+    # (tests/test_vllm_call_shapes.py); only a non-integer is refused.
     w = MessageQueue(2, 1, max_chunk_bytes=4096, max_chunks=2, connect_ip="127.0.0.1")
-    with pytest.raises(ValueError, match="rank"):
+    with pytest.raises(ValueError, match="rank .* is not an integer"):
         MessageQueue.create_from_handle(w.export_handle(), rank)
 
 

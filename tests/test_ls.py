@@ -17,7 +17,7 @@ import pytest
 
 import _ls_children as kids
 from _queues import wait_for
-from fastmq.cli import main as cli_main
+from fastmq.cli import cleanup_hint, main as cli_main
 from fastmq.listing import format_text, list_queues, positions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,6 +186,11 @@ def test_ls_live_queue_positions_parked_dead_reader_and_dead_writer(procs, spawn
         assert (q["writer"]["pid"], q["writer"]["state"]) == (writer.pid, "dead")
         assert q["readers"][1]["state"] == "alive" and q["readers"][1]["behind"] == 2
         assert _block(format_text(list_queues()), ring)[0].endswith(f"writer {writer.pid} dead")
+        # ... and says what removes a dead writer's files.
+        out = _cli("ls")
+        assert out.returncode == 0, out.stderr
+        assert re.search(r"^\d+ queues? ha(s|ve) a dead writer: `fastmq cleanup` removes",
+                         out.stdout, re.M), out.stdout
     finally:
         procs.kill_all()
         _remove_files_of(writer.pid)
@@ -242,3 +247,17 @@ def test_ls_rejects_bad_intervals(bad, capsys):
         cli_main(["ls", "-w", bad])
     assert e.value.code == 2
     assert "argument -w/--watch" in capsys.readouterr().err
+
+
+def test_ls_hints_at_cleanup_for_a_dead_writer():
+    def listing(*states):
+        return {"queues": [{"name": f"q{i}", "writer": {"state": s}}
+                           for i, s in enumerate(states)]}
+
+    assert cleanup_hint(listing()) is None
+    assert cleanup_hint(listing("alive", "alive")) is None
+    assert cleanup_hint(listing("alive", "dead")) == (
+        "1 queue has a dead writer: `fastmq cleanup` removes its files "
+        "(`fastmq cleanup --dry-run` lists them first).")
+    assert cleanup_hint(listing("dead", "dead")).startswith(
+        "2 queues have a dead writer: `fastmq cleanup` removes their files")

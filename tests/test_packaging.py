@@ -154,14 +154,54 @@ def test_wheel_has_compiled_modules_stubs_and_no_build_leftovers(built):
     assert "fastmq = fastmq.cli:main" in entry_points
 
 
+def running_site_dirs() -> list[str]:
+    """The site-packages folders of the environment running the tests (a
+    virtual environment's, or the system's): where torch, pyzmq, numpy and
+    pytest are."""
+    return [p for p in sys.path
+            if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+
+
+def fresh_venv(venv: Path) -> str:
+    """A new virtual environment that sees the packages of the running one
+    but not its fastmq; its python.
+
+    Not ``venv --system-site-packages``: from inside a virtual environment
+    that shows the base interpreter's site-packages, not the running
+    environment's.  A .pth file naming the running environment's folders
+    appends them to sys.path after the new environment's own; plain paths,
+    so the .pth files in them (an editable install of fastmq, its vLLM hook)
+    are not run and fastmq can only come from what is installed here."""
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=venv.parent)
+    py = str(venv / "bin" / "python")
+    site = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                cwd=venv.parent).stdout.strip()
+    (Path(site) / "running-environment.pth").write_text("\n".join(running_site_dirs()) + "\n")
+    return py
+
+
+def test_a_fresh_venv_sees_the_running_environments_packages(tmp_path):
+    """Run from a virtual environment, ``venv --system-site-packages``
+    would show the base interpreter's packages instead (where pyzmq and
+    pytest need not be)."""
+    py = fresh_venv(tmp_path / "venv")
+    out = _run([py, "-c", "import sys, zmq, pytest; print(sys.prefix); "
+                "import importlib.util as u; print(u.find_spec('fastmq')); "
+                "print('\\n'.join(sys.path))"],
+               cwd=tmp_path, env=_clean_env())
+    prefix, fastmq_spec, *path = out.stdout.splitlines()
+    assert Path(prefix) == tmp_path / "venv"
+    missing = [d for d in running_site_dirs() if d not in path]
+    assert not missing, f"the venv does not see {missing}"
+    assert fastmq_spec == "None", "the running environment's fastmq leaked into the venv"
+
+
 def test_sdist_tests_pass_installed_in_a_fresh_venv(built, tmp_path):
     sdist, wheel = built
-    venv = tmp_path / "venv"
-    # System site-packages supply torch, pyzmq, numpy and pytest; fastmq
-    # itself must come from the wheel built from the sdist (checked below).
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-         cwd=tmp_path)
-    py = str(venv / "bin" / "python")
+    # The running environment supplies torch, pyzmq, numpy and pytest;
+    # fastmq itself must come from the wheel built from the sdist (checked
+    # below).
+    py = fresh_venv(tmp_path / "venv")
     _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "-q",
           "--no-cache-dir", str(wheel)], cwd=tmp_path, env=_clean_env())
     with tarfile.open(sdist) as t:

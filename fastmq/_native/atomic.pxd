@@ -13,6 +13,7 @@ cdef extern from "fmq_atomic.h" nogil:
     uint64_t fmq_load_u64_acq(const uint64_t *p)
     void fmq_store_u64_rel(uint64_t *p, uint64_t v)
     int fmq_cas_u32(uint32_t *p, uint32_t expected, uint32_t desired)
+    int fmq_cas_u64(uint64_t *p, uint64_t expected, uint64_t desired)
     void fmq_touch_u8(uint8_t *p)
     uint64_t fmq_local_load_u64_acq(uint64_t *p)
     void fmq_local_max_u64_rel(uint64_t *p, uint64_t v)

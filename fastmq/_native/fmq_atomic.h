@@ -63,6 +63,10 @@ static inline int fmq_cas_u32(volatile uint32_t *p, uint32_t expected, uint32_t 
     return __atomic_compare_exchange_n(p, &expected, desired, 0,
                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
+static inline int fmq_cas_u64(volatile uint64_t *p, uint64_t expected, uint64_t desired) {
+    return __atomic_compare_exchange_n(p, &expected, desired, 0,
+                                       __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
 /* Touch a shared page without changing it: an atomic add of 0 cannot lose
  * another process's concurrent store (pre-faulting where the kernel lacks
  * MADV_POPULATE_WRITE). */

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
                    help="how reader processes start (default forkserver: imports once)")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.add_argument("--tables", action="store_true",
+                   help="print every scenario's full table too, not only the summary "
+                        "(--results-md always writes them)")
     p.add_argument("--list", action="store_true",
                    help="list the implementations and whether they run here, then exit")
     p.add_argument("--from-json", metavar="JSON",
@@ -140,9 +143,30 @@ def command_line(argv: list[str], from_module: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from_module = argv is None and sys.argv[0].endswith("__main__.py")
-    if argv is None:
-        argv = sys.argv[1:]
+    """The command; with ``argv`` None (run as a program) the process exits
+    here, see ``_exit_quietly``."""
+    if argv is not None:
+        return _main(argv, from_module=False)
+    rc = _main(sys.argv[1:], from_module=sys.argv[0].endswith("__main__.py"))
+    _exit_quietly(rc)
+    return rc  # not reached
+
+
+def _exit_quietly(rc: int) -> None:
+    """Exit after the exit handlers (multiprocessing's, fastmq's segment
+    finalizers, logging's) but without the interpreter's teardown of every
+    module: at that teardown, modules vLLM imports (triton's nanobind
+    bindings) print dozens of lines about objects of theirs still alive,
+    below our report, about nothing this command did."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def _main(argv: list[str], from_module: bool) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.readme or args.update_readme:
@@ -203,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             result["notes"].append(why)
             print(f"fastmq-bench: {why}", file=sys.stderr)
     result["plots"] = plots
-    print(report.terminal(result))
+    print(report.terminal(result, tables=args.tables))
     if args.json:
         report.write_json(args.json, result, raw=args.raw)
         print(f"\nwrote {args.json}")
@@ -224,7 +248,7 @@ def _render(args, argv, from_module) -> int:
         print(f"fastmq-bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     result["rendered_by"] = command_line(argv, from_module)
-    print(report.terminal(result))
+    print(report.terminal(result, tables=args.tables))
     if args.json:
         report.write_json(args.json, result, raw=True)  # keeps whatever the file had
         print(f"\nwrote {args.json}")

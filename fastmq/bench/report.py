@@ -118,9 +118,12 @@ _RUNS = ("p50", "rate", "vs_vllm", "vs_floor")
 
 def merge(runs: list[list[dict]]) -> list[dict]:
     """One record per figure from repeated runs: the median of the runs'
-    values (their p50, rate, ratios ...) with ``<field>_runs`` listing each
-    run's value, so the spread is visible; sample counts add up, min/max
-    are over all runs, samples are pooled."""
+    values (their p50, rate ...) with ``<field>_runs`` listing each run's
+    value, so the spread is visible; sample counts add up, min/max are over
+    all runs, samples are pooled.  The ratios are then computed again from
+    the merged figures (``annotate``): a ratio printed beside two medians is
+    their quotient, not a median of per-run ratios (which can differ from
+    it, even in direction); each run's own ratio stays in ``vs_*_runs``."""
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         for r in run:
@@ -145,9 +148,8 @@ def merge(runs: list[list[dict]]) -> list[dict]:
             if k in rs[0]:
                 vals = [r.get(k) for r in rs]
                 m[f"{k}_runs"] = None if None in vals else vals
-        if m["scenario"] == "tensor" and m.get("p50"):
-            m["gb_per_s"] = m["size_bytes"] / (m["p50"] / 1e3) / 1e9
         out.append(m)
+    annotate(out)
     return out
 
 
@@ -182,15 +184,18 @@ def num(x, unit: str = "") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
     a = abs(x)
+    # Three significant digits (at least): a ratio recomputed from two
+    # printed figures is then within about 1% of the printed ratio.
     s = (f"{x:.0f}" if a >= 100 else f"{x:.1f}" if a >= 10 else
-         f"{x:.2f}" if a >= 0.1 else f"{x:.3f}")
+         f"{x:.2f}" if a >= 1 else f"{x:.3g}")
     return s + unit
 
 
 def ratio(x) -> str:
+    """Three significant digits (``4.97x``, ``1.00x``, ``0.125x``, ``132x``)."""
     if x is None:
         return "-"
-    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 1 else f"{x:.2f}x"
+    return f"{x:.0f}x" if x >= 100 else f"{x:#.3g}x"
 
 
 def rate(x) -> str:
@@ -257,46 +262,51 @@ def section(records: list[dict], scenario: str, md: bool) -> str | None:
         return None
     runs = max(r.get("runs", 1) for r in rs)
     p50 = "p50" if runs == 1 else f"p50 (median of {runs} runs)"
+    # "runs' p50" (the lowest..highest run) says nothing in a single run.
+    spread_h = ["runs' p50"] if runs > 1 else []
+
+    def sp(r):
+        return [spread(r)] if runs > 1 else []
+
     if scenario in ("step", "executor"):
-        headers = ["N", "payload", "implementation", f"{p50} us", "runs' p50", "p90 us",
+        headers = ["N", "payload", "implementation", f"{p50} us", *spread_h, "p90 us",
                    "p99 us", "vs vLLM", "vs floor", "samples"]
         rows = [[_ncell(r), fmt_size(r["size_bytes"]), _impl_cell(r), num(r["p50"]),
-                 spread(r), num(r["p90"]), num(r["p99"]), ratio(r.get("vs_vllm")),
+                 *sp(r), num(r["p90"]), num(r["p99"]), ratio(r.get("vs_vllm")),
                  ratio(r.get("vs_floor")), str(r["samples"])] for r in rs]
-        align = "lllrrrrrrr"
     elif scenario == "throughput":
         rate_h = "msgs/s" if runs == 1 else f"msgs/s (median of {runs} runs)"
         headers = ["N", "implementation", rate_h, "min .. max", "vs vLLM", "messages"]
         rows = [[_ncell(r), r["impl"], rate(r["rate"]),
                  f"{rate(r['rate_min'])} .. {rate(r['rate_max'])}", ratio(r.get("vs_vllm")),
                  str(r["messages"])] for r in rs]
-        align = "llrrrr"
     elif scenario == "tensor":
-        headers = ["N", "tensor", "implementation", f"{p50} ms", "runs' p50", "min ms",
+        headers = ["N", "tensor", "implementation", f"{p50} ms", *spread_h, "min ms",
                    "max ms", "GB/s", "vs vLLM", "vs floor", "first ms", "messages"]
         rows = [[_ncell(r), fmt_size(r["size_bytes"]), _impl_cell(r), num(r["p50"]),
-                 spread(r), num(r["min"]), num(r["max"]), num(r.get("gb_per_s")),
+                 *sp(r), num(r["min"]), num(r["max"]), num(r.get("gb_per_s")),
                  ratio(r.get("vs_vllm")), ratio(r.get("vs_floor")), num(r.get("first_ms")),
                  str(r["samples"])] for r in rs]
-        align = "lllrrrrrrrrr"
     elif scenario == "generate":
-        headers = ["TP", "sequences", "implementation", f"ms per token, {p50}", "runs' p50",
+        headers = ["TP", "sequences", "implementation", f"{p50} ms per token", *spread_h,
                    "min ms", "max ms", "vs vLLM", "CPU s per token", "CPU vs vLLM",
                    "samples"]
-        rows = [[_ncell(r), str(r["size_bytes"]), r["impl"], num(r["p50"]), spread(r),
+        rows = [[_ncell(r), str(r["size_bytes"]), r["impl"], num(r["p50"]), *sp(r),
                  num(r["min"]), num(r["max"]), ratio(r.get("vs_vllm")),
                  num(r.get("cpu_s_per_token")), ratio(r.get("cpu_vs_vllm")),
                  str(r["samples"])] for r in rs]
-        align = "llrrrrrrrrr"
     else:
-        headers = ["N", "implementation", "idle before", f"{p50} us", "runs' p50", "p90 us",
+        headers = ["N", "implementation", "idle before", f"{p50} us", *spread_h, "p90 us",
                    "p99 us", "vs vLLM", "vs pipe floor", "idle CPU %", "samples"]
         rows = [[_ncell(r), _impl_cell(r), f"{r['idle_before_s']:.3g} s", num(r["p50"]),
-                 spread(r), num(r["p90"]), num(r["p99"]), ratio(r.get("vs_vllm")),
+                 *sp(r), num(r["p90"]), num(r["p99"]), ratio(r.get("vs_vllm")),
                  ratio(r.get("vs_floor")),
                  "-" if r.get("cpu_pct") is None else f"{r['cpu_pct']:.2f}",
                  str(r["samples"])] for r in rs]
-        align = "llrrrrrrrrr"
+    # Left-aligned labels up to the figures, then right-aligned numbers.
+    labels = next(i for i, h in enumerate(headers)
+                  if h.startswith(("p50", "msgs/s", "idle before")))
+    align = "l" * labels + "r" * (len(headers) - labels)
     title = TITLES[scenario]
     head = f"### {title}\n" if md else f"{title}\n"
     text = head + ("\n" if md else "") + render(headers, rows, align, md)
@@ -367,7 +377,7 @@ def _section_notes(records, rs, scenario) -> list[str]:
     return notes
 
 
-def tables(result: dict, md: bool = False) -> str:
+def scenario_tables(result: dict, md: bool = False) -> str:
     parts = [s for s in (section(result["records"], sc, md) for sc in config.SCENARIOS) if s]
     return "\n\n".join(parts)
 
@@ -387,9 +397,10 @@ def _fig(r: dict, field: str, unit: str) -> str:
 
 
 def _ratio_cell(r: dict, field: str) -> str:
-    text = ratio(r.get(field))
-    sp = spread(r, field, ratio)
-    return text if sp == "-" else f"{text} ({sp})"
+    # Only the quotient of the two figures printed beside it: the runs'
+    # own ratios (kept in the JSON) need not bracket it, which reads as a
+    # contradiction; each figure's spread is printed with the figure.
+    return ratio(r.get(field))
 
 
 def headline(records: list[dict]) -> list[list[str]]:
@@ -495,7 +506,9 @@ TENSOR_PATHS = (("arena", "fastmq-futex+arena"), ("arena off", "fastmq-futex"),
 
 def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Large tensors, fastmq against vLLM on the same path: one row per
-    path and size, one column per N; each cell ``fastmq / vLLM ms = ratio``."""
+    path and size, one column per N; each cell ``vLLM ms / fastmq ms =
+    ratio``, literally that quotient (RATIO_RULE: above 1x fastmq is
+    faster)."""
     rs = [r for r in records if r["scenario"] == "tensor"]
     ns = sorted({r["n_readers"] for r in rs})
     sizes = sorted({r["size_bytes"] for r in rs})
@@ -503,7 +516,7 @@ def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     headers = ["path", "tensor"]
     for n in ns:
         any_r = next(r for r in rs if r["n_readers"] == n)
-        headers.append(f"N={_ncell(any_r)}: fastmq / vLLM ms = ratio")
+        headers.append(f"N={_ncell(any_r)}: vLLM / fastmq ms = ratio")
     rows = []
     for label, mine in TENSOR_PATHS:
         for size in sizes:
@@ -511,7 +524,7 @@ def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
             for n in ns:
                 f = idx.get(("tensor", mine, n, size))
                 v = idx.get(("tensor", vllm_counterpart(mine), n, size))
-                cells.append(f"{num(f['p50'])} / {num(v['p50'])} = "
+                cells.append(f"{num(v['p50'])} / {num(f['p50'])} = "
                              f"{_ratio_cell(f, 'vs_vllm')}" if f and v else "-")
             if any(c != "-" for c in cells):
                 rows.append([label, fmt_size(size)] + cells)
@@ -523,8 +536,8 @@ def summary(result: dict, md: bool, headline_readers: tuple[int, ...] | None = N
     if given) and the large-tensor matrix (every reader count)."""
     recs = result["records"]
     runs = max((r.get("runs", 1) for r in recs), default=1)
-    how = (f"median of {runs} runs, (min..max) over the runs" if runs > 1 else
-           "one run (not a median of repeated runs)")
+    how = (f"median of {runs} runs, (min..max) over the runs; ratio = quotient of the "
+           "medians" if runs > 1 else "one run (not a median of repeated runs)")
     parts = []
     # generate's N is the tensor parallel size (2 at least): always shown.
     rows = headline([r for r in recs if headline_readers is None
@@ -537,7 +550,7 @@ def summary(result: dict, md: bool, headline_readers: tuple[int, ...] | None = N
                               md, group=False))
     headers, trows = tensor_matrix(recs)
     if trows:
-        title = (f"large tensors, every reader reads every byte: p50 ms, fastmq / vLLM on the "
+        title = (f"large tensors, every reader reads every byte: p50 ms, vLLM / fastmq on the "
                  f"same path ({how})")
         paths = ("arena off: a message larger than a ring chunk (24 MiB by default) takes "
                  "the overflow path (ipc socket), a smaller one the ring; remote: TCP over "
@@ -573,6 +586,10 @@ def load_results(path: str) -> dict:
             f"Ratios: {RATIO_RULE}. vs vLLM compares with vLLM on the same path (arena "
             "with arena, arena off with arena off, remote with remote); vs floor with the "
             "scenario's floor."]
+    else:
+        # Ratios from the merged figures (``merge``), also for files written
+        # when a ratio was the median of the runs' ratios.
+        annotate(recs)
     return result
 
 
@@ -637,12 +654,17 @@ def machine_line(result: dict) -> str:
             f"CPUs{mem}, Linux {m['kernel']}, Python {m['python']}; {vers}")
 
 
-def terminal(result: dict) -> str:
+def terminal(result: dict, tables: bool = False) -> str:
+    """What the command prints: the summary and the notes; with ``tables``
+    every scenario's table first (RESULTS.md always has them)."""
+    more = ("" if tables else "Every scenario's table (p90, p99, floors, pyzmq, each wait "
+            "mode): rerun with --tables, or write them with --results-md FILE.")
     return "\n\n".join(p for p in [
         f"fastmq-bench ({result['config']['preset']}): {machine_line(result)}",
-        tables(result, md=False),
+        scenario_tables(result, md=False) if tables else "",
         summary(result, md=False),
         "notes:\n" + notes_text(result, md=False),
+        more,
     ] if p)
 
 
@@ -683,7 +705,7 @@ def write_markdown(path: str, result: dict, plots: list[str]) -> None:
         "",
         summary(result, md=True),
         "",
-        tables(result, md=True),
+        scenario_tables(result, md=True),
         "",
     ]
     if plots:

@@ -1,0 +1,91 @@
+"""Who is subscribed: the readers' identities on a writer's XPUB sockets.
+
+The handshake (``wait_until_ready``) must count readers, not
+subscription events: a reader killed before the handshake and replaced by
+a new one of the same rank produces a subscribe, an unsubscribe and a
+subscribe, and a process that subscribes without being a reader (a late
+joiner, a monitor, vLLM's own queue on a fastmq handle) is not a reader.
+So each fastmq reader subscribes, before its catch-all subscription, to a
+topic of its own that names it::
+
+    IDENTITY_PREFIX | i32 rank | u32 pid | u64 nonce
+
+The topic is longer than the first frame of any message a queue sends (a
+12-byte socket-message header, ``READY``, a 1-byte wakeup), so it never
+matches a message: it only says who is there.  With ``XPUB_VERBOSER`` the
+writer sees every subscribe and unsubscribe, and ``Subscribers`` keeps the
+set of identities present.  A subscriber whose catch-all subscription came
+without an identity is foreign (see ``Subscribers.foreign``).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+
+import zmq
+
+IDENTITY_PREFIX = b"\xfffastmq-reader\x00"
+_ID = struct.Struct("<iIQ")
+IDENTITY_BYTES = len(IDENTITY_PREFIX) + _ID.size
+
+
+def identity(rank: int) -> bytes:
+    """A new identity topic for this process's reader of ``rank``."""
+    return IDENTITY_PREFIX + _ID.pack(rank, os.getpid(), secrets.randbits(64))
+
+
+def subscribe(sock, topic: bytes) -> None:
+    """Subscribe a reader's SUB socket: its identity first, then everything
+    (one pipe keeps the order, so the writer sees the identity first)."""
+    sock.setsockopt(zmq.SUBSCRIBE, topic)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+
+
+class Subscribers:
+    """The identities subscribed to one XPUB (``XPUB_VERBOSER``), fed with
+    the socket's subscription events."""
+
+    def __init__(self):
+        self.present: dict[bytes, tuple[int, int]] = {}   # topic -> (rank, pid)
+        self.catch_all = 0                                # "" subscriptions alive
+
+    def feed(self, event: bytes) -> tuple[bool, bytes] | None:
+        """Account for one event; returns ``(subscribed, topic)`` for a
+        reader's identity, None for anything else."""
+        if not event or event[0] not in (0, 1):
+            return None
+        subscribed, topic = event[0] == 1, bytes(event[1:])
+        if not topic:
+            self.catch_all += 1 if subscribed else -1
+            return None
+        if len(topic) != IDENTITY_BYTES or not topic.startswith(IDENTITY_PREFIX):
+            return None
+        if subscribed:
+            rank, pid, _ = _ID.unpack_from(topic, len(IDENTITY_PREFIX))
+            self.present[topic] = (rank, pid)
+        else:
+            self.present.pop(topic, None)
+        return subscribed, topic
+
+    def drain(self, sock) -> list[tuple[bool, bytes]]:
+        """Feed every event waiting on ``sock``; the identity events."""
+        out = []
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            got = self.feed(sock.recv(zmq.NOBLOCK))
+            if got is not None:
+                out.append(got)
+        return out
+
+    def has(self, rank: int, pid: int) -> bool:
+        return (rank, pid) in self.present.values()
+
+    @property
+    def foreign(self) -> int:
+        """Catch-all subscribers that came without an identity.  Events of
+        one pipe arrive in order, and a pipe's unsubscriptions all at once,
+        so after ``drain`` this is never positive for fastmq readers."""
+        return max(0, self.catch_all - len(self.present))
+
+
+__all__ = ["IDENTITY_BYTES", "Subscribers", "identity", "subscribe"]
