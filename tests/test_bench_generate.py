@@ -43,9 +43,9 @@ def test_generate_table_and_summary_rows():
     assert "| 2* | 1 | fastmq-futex | 5.00 |" in text
     rows = report.generate_rows(recs)
     assert rows[0] == ["vLLM generation, TP=2*, 1 sequence, ms per token", "5.00 ms",
-                       "7.50 ms (vllm)", "1.5x"]
+                       "7.50 ms (vllm)", report.ratio(1.5)]
     assert rows[1][0] == "vLLM generation, TP=2*, 1 sequence, CPU s per token (engine core + workers)"
-    assert rows[1][3] == "1.5x"
+    assert rows[1][3] == report.ratio(1.5)
     assert any("4 sequences" in r[0] for r in rows)
 
 
