@@ -202,18 +202,12 @@ def test_vllms_own_queue_leaves_no_fastmq_file(vllm_run):
     assert vllm_run["left"]["left"] == []
 
 
-REAP_MISSING = pytest.mark.xfail(
-    reason="needs a new fastmq queue to remove the files of processes that died with "
-           "no fastmq peer left alive to notice (engine core and workers SIGKILLed "
-           "together): not implemented yet", strict=False)
-
-
 @pytest.mark.parametrize("target", [
     "engine", "worker0", "worker1", "front",
     # What vLLM's shutdown does when its workers are slow to exit: SIGKILL
     # the engine core and its workers.  No fastmq process of that engine is
     # left to remove anything.
-    pytest.param("everything", marks=REAP_MISSING)])
+    "everything"])
 def test_kill_9_leaves_nothing(tmp_path, target):
     """SIGKILL of the engine core, of each worker, of the front process, and
     of the engine core with its workers: once the rest of vLLM has exited
