@@ -42,9 +42,10 @@ def test_generate_table_and_summary_rows():
     assert "ms per token" in text and "CPU s per token" in text
     assert "| 2* | 1 | fastmq-futex | 5.00 |" in text
     rows = report.generate_rows(recs)
-    assert rows[0] == ["vLLM generation, TP=2*, 1 sequence, ms per token", "5.00 ms",
+    what = "real generation (vLLM 0.32.0, CPU build), TP=2*, 1 sequence"
+    assert rows[0] == [f"{what}, ms per token", "5.00 ms",
                        "7.50 ms (vllm)", report.ratio(1.5)]
-    assert rows[1][0] == "vLLM generation, TP=2*, 1 sequence, CPU s per token (engine core + workers)"
+    assert rows[1][0] == f"{what}, CPU s per token (engine core + workers)"
     assert rows[1][3] == report.ratio(1.5)
     assert any("4 sequences" in r[0] for r in rows)
 
@@ -53,5 +54,5 @@ def test_generate_rows_are_in_the_readme_block():
     result = {"machine": {"cpu_model": "cpu", "usable_cpus": 2}, "records": _records(),
               "command": "fastmq-bench generate", "started": "now", "notes": []}
     block = report.readme_block(result)
-    assert "vLLM generation, TP=2*, 1 sequence, ms per token" in block
+    assert "real generation (vLLM 0.32.0, CPU build), TP=2*, 1 sequence, ms per token" in block
     assert "CPU s per token" in block

@@ -278,7 +278,7 @@ def run(env, impls, params, progress) -> list[dict]:
     for r in records:
         v = vllm.get((r["n_readers"], r["size_bytes"]))
         r["cpu_vs_vllm"] = (v["cpu_s_per_token"] / r["cpu_s_per_token"]
-                            if v and r["cpu_s_per_token"] > 0 else None)
+                            if v and v is not r and r["cpu_s_per_token"] > 0 else None)
     return records
 
 

@@ -488,8 +488,8 @@ def generate_rows(records: list[dict]) -> list[list[str]]:
                  None)
         if not v:
             continue
-        what = (f"vLLM generation, TP={_ncell(f)}, {f['size_bytes']} "
-                f"sequence{'s' if f['size_bytes'] > 1 else ''}")
+        what = (f"real generation (vLLM 0.32.0, CPU build), TP={_ncell(f)}, "
+                f"{f['size_bytes']} sequence{'s' if f['size_bytes'] > 1 else ''}")
         rows.append([f"{what}, ms per token", _fig(f, "p50", "ms"), f"{_fig(v, 'p50', 'ms')} "
                      "(vllm)", _ratio_cell(f, "vs_vllm")])
         rows.append([f"{what}, CPU s per token (engine core + workers)",
