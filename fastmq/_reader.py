@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from fastmq import _config, _curve, _handshake, _net, _proc, _sockets, cleanup
 from fastmq._ring import (LONG_WAIT, READY, WAIT_ZMQ, WRITER_CLOSED, WRITER_DIED,
@@ -280,7 +281,9 @@ class LocalReader(_ReaderEnd):
 class RemoteReader(_ReaderEnd):
     """A reader on another node: one SUB socket over TCP (CURVE when the
     handle carries keys); messages carry sequence numbers, so a gap is an
-    error rather than a silent loss."""
+    error rather than a silent loss.  It cannot see the writer's process:
+    a dropped connection (the writer died, or its node went away) is how
+    it learns that no more messages will come."""
 
     buffer = ring = tensor_arena = local_socket = None
     local_reader_rank = -1
@@ -301,17 +304,40 @@ class RemoteReader(_ReaderEnd):
             keys = getattr(handle, "remote_curve_keys", None)
             if keys is not None:
                 _curve.secure_client(sock, keys)
+            # ZMQ reconnects silently; the monitor says when the connection
+            # to the writer dropped (a killed process's TCP socket is closed
+            # by its kernel at once).
+            self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sockets.append(self._monitor)
             sock.connect(handle.remote_subscribe_addr)
         except BaseException:
             _sockets.close_all(context, sockets, [])
             raise
         self.zmq = (context, sockets, [])
+        self._disconnected = False
 
     def wait_until_ready(self) -> None:
         self._receive_handshake(self.remote_socket)
 
     def shutdown(self) -> None:
         self.shutting_down = True
+
+    def _writer_gone(self) -> bool:
+        while not self._disconnected:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._disconnected = event["event"] == zmq.EVENT_DISCONNECTED
+        return self._disconnected
+
+    def _writer_gone_error(self) -> RuntimeError:
+        pid = getattr(self.handle, "writer_pid", None)
+        return RuntimeError(
+            f"fastmq: the connection to the writer{f' (pid {pid})' if pid else ''} at "
+            f"{self.handle.remote_subscribe_addr} dropped: it died or its node is "
+            "unreachable; no more messages will come, and a remote reader cannot "
+            "rejoin a running queue")
 
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
         until = _sockets.deadline(timeout)
