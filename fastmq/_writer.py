@@ -225,7 +225,10 @@ class QueueWriter:
                         "MessageQueue (it subscribed without a fastmq identity): fastmq "
                         "is not active in its process. Activate fastmq in every "
                         "process of the deployment or in none.")
-                if len(self._remote_subs.present) >= self.n_remote_reader:
+                # Exactly: a surplus is a reader that died or a stranger whose
+                # leaving has not reached us yet (libzmq takes a few steps to
+                # drop a closed connection); READY goes out once it has.
+                if len(self._remote_subs.present) == self.n_remote_reader:
                     self._remote_readers = dict(self._remote_subs.present)
                     remote.send(b"READY")
                     remote_done = True
@@ -279,9 +282,8 @@ class QueueWriter:
                 if state != SLOT_ALIVE or not local[0][1].has(rank, pid):
                     missing.append(f"local rank {rank}" + (f" (pid {pid})" if pid else ""))
         if self.n_remote_reader and not self._remote_readers:
-            have = len(self._remote_subs.present)
-            missing.append(f"{self.n_remote_reader - have} of {self.n_remote_reader} "
-                           "remote readers")
+            missing.append(f"remote readers ({len(self._remote_subs.present)} subscribed, "
+                           f"{self.n_remote_reader} expected)")
         return ", ".join(missing) or "none"
 
     def shutdown(self) -> None:
@@ -420,7 +422,8 @@ class QueueWriter:
         gets the payload, and a send abandoned before (timeout, shutdown,
         dead reader) is skipped by readers by its id."""
         self._overflow_id += 1
-        tracker = _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+        _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+        tracker = _sockets.send_flush(self.local_socket)
         _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
         self.ring.send_overflow_mark(self._overflow_id)
         stats = self.stats_
@@ -449,7 +452,8 @@ class QueueWriter:
             ring.reserve_next(framed)
         if overflow:
             self._overflow_id += 1
-            tracker = _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+            _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+            tracker = _sockets.send_flush(self.local_socket)
             _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
         stats = self.stats_
         nbytes = _nbytes(buffers)
@@ -459,8 +463,7 @@ class QueueWriter:
             # With a deadline, enqueue() may return before the message has
             # left this process (see _flush_remote): then the frames must
             # not be the caller's memory, which it may change after.
-            tracker = _sockets.send_message(self.remote_socket, seq, buffers,
-                                            copy=until is not None)
+            _sockets.send_message(self.remote_socket, seq, buffers, copy=until is not None)
         except _sockets.SocketBroken as e:
             self._remote_broken = str(e)
             raise
@@ -471,12 +474,12 @@ class QueueWriter:
         # these lines is raised only once the local readers have it too.
         try:
             self._remote_seq = seq
-            self._remote_pending = tracker
             if ring is not None:
                 self._publish_committed(buffers, overflow)
+            tracker = self._remote_pending = _sockets.send_flush(self.remote_socket)
         except BaseException as e:
+            # The next remote message's flush covers this one.
             self._remote_seq = seq
-            self._remote_pending = tracker
             if ring is not None and ring.n_published == published:
                 self._publish_committed(buffers, overflow)
             e.add_note("fastmq: the message was committed before this exception and is "
