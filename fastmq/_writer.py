@@ -206,6 +206,7 @@ class QueueWriter:
         if remote is not None:
             poller.register(remote, zmq.POLLIN)
         local_done = not local
+        flushes = []
         start = time.monotonic()
         next_log = start + _config.warning_interval()
         while True:
@@ -216,6 +217,7 @@ class QueueWriter:
                     subs.drain(sock)
                 if self._local_readers_ready(local):
                     self.local_socket.send(b"READY")
+                    flushes.append(_sockets.send_flush(self.local_socket))
                     local_done = True
             if not remote_done:
                 self._remote_subs.drain(remote)
@@ -231,8 +233,14 @@ class QueueWriter:
                 if len(self._remote_subs.present) == self.n_remote_reader:
                     self._remote_readers = dict(self._remote_subs.present)
                     remote.send(b"READY")
+                    flushes.append(_sockets.send_flush(remote))
                     remote_done = True
             if local_done and remote_done:
+                # Like a message: READY has left this process before the
+                # first enqueue() can, so a writer killed right after one
+                # still leaves readers that finished the handshake.
+                for tracker in flushes:
+                    _sockets.wait_flushed(tracker, None, "the readers' sockets", self)
                 return
             if time.monotonic() >= next_log:
                 next_log += _config.warning_interval()

@@ -444,7 +444,14 @@ def test_stress_random_lifecycles(procs):
             readers.append(procs.start(lc.stress_reader, h, rank, rplans[rank], leave[rank], b))
             b.close()
         where = f"round {round_}: writer {wplan}, readers {rplans} at {leave}, {n} messages"
-        pids = {rank: c.recv()[1] for rank, c in enumerate(rconns)}
+        pids = {}
+        for rank, c in enumerate(rconns):
+            try:
+                pids[rank] = c.recv()[1]
+            except EOFError:
+                writer.join(5)
+                pytest.fail(f"{where}: reader {rank} died in the handshake (writer exit "
+                            f"code {writer.exitcode}, says {wconn.poll(0) and wconn.recv()})")
         # The writer's word: how many enqueue() calls returned, and its error.
         returned, error = 0, None
         while wconn.poll(90):
