@@ -14,14 +14,15 @@ The topic is longer than the first frame of any message a queue sends (a
 12-byte socket-message header, ``READY``, a 1-byte wakeup), so it never
 matches a message: it only says who is there.  With ``XPUB_VERBOSER`` the
 writer sees every subscribe and unsubscribe, and ``Subscribers`` keeps the
-set of identities present.  A subscriber whose catch-all subscription came
-without an identity is foreign (see ``Subscribers.foreign``).
+set of identities present.  A catch-all subscription that stays without an
+identity is foreign (see ``Subscribers.foreign``).
 """
 from __future__ import annotations
 
 import os
 import secrets
 import struct
+import time
 
 import zmq
 
@@ -35,9 +36,16 @@ def identity(rank: int) -> bytes:
     return IDENTITY_PREFIX + _ID.pack(rank, os.getpid(), secrets.randbits(64))
 
 
+# How long more catch-all subscriptions than identities may last before a
+# subscriber counts as foreign.  A reader's two subscriptions arrive
+# together, in either order (libzmq sends those made before connect in its
+# trie's order), and a closed connection's unsubscriptions all at once:
+# real surpluses last microseconds.
+FOREIGN_AFTER_S = 1.0
+
+
 def subscribe(sock, topic: bytes) -> None:
-    """Subscribe a reader's SUB socket: its identity first, then everything
-    (one pipe keeps the order, so the writer sees the identity first)."""
+    """Subscribe a reader's SUB socket: its identity, and everything."""
     sock.setsockopt(zmq.SUBSCRIBE, topic)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
 
@@ -49,6 +57,7 @@ class Subscribers:
     def __init__(self):
         self.present: dict[bytes, tuple[int, int]] = {}   # topic -> (rank, pid)
         self.catch_all = 0                                # "" subscriptions alive
+        self._surplus_since = None
 
     def feed(self, event: bytes) -> tuple[bool, bytes] | None:
         """Account for one event; returns ``(subscribed, topic)`` for a
@@ -81,11 +90,16 @@ class Subscribers:
         return (rank, pid) in self.present.values()
 
     @property
-    def foreign(self) -> int:
-        """Catch-all subscribers that came without an identity.  Events of
-        one pipe arrive in order, and a pipe's unsubscriptions all at once,
-        so after ``drain`` this is never positive for fastmq readers."""
-        return max(0, self.catch_all - len(self.present))
+    def foreign(self) -> bool:
+        """Whether a catch-all subscriber has had no identity for
+        ``FOREIGN_AFTER_S`` (asked after each ``drain``)."""
+        if self.catch_all <= len(self.present):
+            self._surplus_since = None
+            return False
+        now = time.monotonic()
+        if self._surplus_since is None:
+            self._surplus_since = now
+        return now - self._surplus_since >= FOREIGN_AFTER_S
 
 
 __all__ = ["IDENTITY_BYTES", "Subscribers", "identity", "subscribe"]

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from fastmq import _config, _curve, _handshake, _net, _proc, _sockets, cleanup
 from fastmq._ring import (LONG_WAIT, READY, WAIT_ZMQ, WRITER_CLOSED, WRITER_DIED,
@@ -43,11 +44,12 @@ class _ReaderEnd:
                 "rejoin) a queue once the writer's wait_until_ready() has returned; "
                 "create a new queue.")
 
-    def _recv_message(self, sock, until: float | None) -> list:
+    def _recv_message(self, sock, until: float | None, payload_due: bool = False) -> list:
         """The frames of the next socket message; raises ``TimeoutError``
         past ``until``, ``RuntimeError`` on shutdown or when the writer is
-        gone (checked between slices; frames still in flight from a writer
-        that just died get one more slice)."""
+        gone (checked between slices).  ``payload_due``: the writer
+        promised this message (an overflow mark), so only a writer whose
+        connection has closed -- every byte it sent is here -- is gone."""
         writer_gone = False
         while True:
             if self.shutting_down:
@@ -62,11 +64,27 @@ class _ReaderEnd:
                 return sock.recv_multipart(copy=False)
             if writer_gone:
                 raise self._writer_gone_error()
-            writer_gone = self._writer_gone()
+            # One more slice once gone: what the writer sent before its
+            # connection closed is queued ahead of the close.
+            writer_gone = self._writer_gone(payload_due)
 
-    def _writer_gone(self) -> bool:
-        # A remote reader cannot see the writer's process; a local one can.
-        return False
+    def _watch_connection(self, sock, sockets: list) -> None:
+        # ZMQ reconnects silently and hides a closed connection; its
+        # monitor says when the connection to the writer dropped.  A killed
+        # process's sockets are closed by its kernel at once, after the
+        # bytes it had sent, which the reader reads first.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sockets.append(self._monitor)
+        self._disconnected = False
+
+    def _connection_dropped(self) -> bool:
+        while not self._disconnected:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._disconnected = event["event"] == zmq.EVENT_DISCONNECTED
+        return self._disconnected
 
 
 class LocalReader(_ReaderEnd):
@@ -108,6 +126,7 @@ class LocalReader(_ReaderEnd):
             sockets.append(sock)
             _sockets.tune_subscriber(sock)
             _handshake.subscribe(sock, me)
+            self._watch_connection(sock, sockets)
             sock.connect(handle.local_subscribe_addr)
             if ring.wait_mode == WAIT_ZMQ:
                 notify = context.socket(zmq.SUB)
@@ -162,8 +181,15 @@ class LocalReader(_ReaderEnd):
                 pass
 
     # -- the writer's state ---------------------------------------------------
-    def _writer_gone(self) -> bool:
-        return self.ring.peer_status() != READY
+    def _writer_gone(self, payload_due: bool = False) -> bool:
+        status = self.ring.peer_status()
+        if status == READY:
+            return False
+        if payload_due:
+            # The payload left the writer before its mark was published: it
+            # is on its way until a dead writer's connection has closed.
+            return status == WRITER_DIED and self._connection_dropped()
+        return True
 
     def _writer_gone_error(self, status: int | None = None) -> RuntimeError:
         ring = self.ring
@@ -250,7 +276,7 @@ class LocalReader(_ReaderEnd):
             if self._overflow_ahead is not None:
                 (msg_id, payload), self._overflow_ahead = self._overflow_ahead, None
             else:
-                frames = self._recv_message(self.local_socket, until)
+                frames = self._recv_message(self.local_socket, until, payload_due=True)
                 got = _sockets.split_message(frames, "local reader")
                 if got is None:
                     continue   # a payload whose sending was interrupted
@@ -280,7 +306,9 @@ class LocalReader(_ReaderEnd):
 class RemoteReader(_ReaderEnd):
     """A reader on another node: one SUB socket over TCP (CURVE when the
     handle carries keys); messages carry sequence numbers, so a gap is an
-    error rather than a silent loss."""
+    error rather than a silent loss.  It cannot see the writer's process:
+    a dropped connection (the writer died, or its node went away) is how
+    it learns that no more messages will come."""
 
     buffer = ring = tensor_arena = local_socket = None
     local_reader_rank = -1
@@ -301,6 +329,7 @@ class RemoteReader(_ReaderEnd):
             keys = getattr(handle, "remote_curve_keys", None)
             if keys is not None:
                 _curve.secure_client(sock, keys)
+            self._watch_connection(sock, sockets)
             sock.connect(handle.remote_subscribe_addr)
         except BaseException:
             _sockets.close_all(context, sockets, [])
@@ -312,6 +341,18 @@ class RemoteReader(_ReaderEnd):
 
     def shutdown(self) -> None:
         self.shutting_down = True
+
+    def _writer_gone(self, payload_due: bool = False) -> bool:
+        # It cannot see the writer's process: the connection is all it has.
+        return self._connection_dropped()
+
+    def _writer_gone_error(self) -> RuntimeError:
+        pid = getattr(self.handle, "writer_pid", None)
+        return RuntimeError(
+            f"fastmq: the connection to the writer{f' (pid {pid})' if pid else ''} at "
+            f"{self.handle.remote_subscribe_addr} dropped: it died or its node is "
+            "unreachable; no more messages will come, and a remote reader cannot "
+            "rejoin a running queue")
 
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
         until = _sockets.deadline(timeout)

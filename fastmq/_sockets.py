@@ -4,9 +4,10 @@ an end's sockets.
 
 Socket messages (local overflow payloads and every remote message) are::
 
-    [header][pickle stream][out-of-band buffer ...][fill][mark]
+    [header][pickle stream][out-of-band buffer ...][END]
 
-header = (message id, number of payload frames).  Local overflow ids count
+each followed by a flush message ``[fill][mark]`` that readers skip (see
+FLUSH_FILL).  header = (message id, number of payload frames).  Local overflow ids count
 send attempts, so a payload the writer abandoned (its ring mark never
 published) is recognised and skipped; remote ids count committed messages,
 so a remote reader sees any gap.
@@ -14,8 +15,8 @@ so a remote reader sees any gap.
 A message is queued frame by frame.  When something interrupts it between
 frames (a socket error, an exception from a signal handler), the frames
 already queued would be glued to the next message; so the message is
-ended at once with a short ``ABORT`` frame in place of the mark, and a
-reader drops any message whose last frame is not the mark.
+ended at once with an ``ABORT`` frame in place of ``END``, and a reader
+drops any message whose last frame is not ``END``.
 """
 from __future__ import annotations
 
@@ -36,24 +37,30 @@ FLUSH_SLICE_S = 0.05  # flush waits re-check shutdown and peers at this period
 
 HEADER = struct.Struct("<QI")
 
-# enqueue() returns only once the message has left this process: in the
-# kernel's socket buffers or the reader's process, both of which outlive a
-# killed writer.  libzmq says so through a MessageTracker on the last frame,
-# read with its engine's order in mind: the engine encodes frames into
-# batches of out_batch_size (8 KiB) and takes the next frame from the pipe
-# only while the batch it is filling has room.  So every message ends with
+# enqueue() returns only once the message has left this process, whole: in
+# the kernel's socket buffers or the reader's process, both of which
+# outlive a killed writer.  Whole, because a reader's libzmq drops a
+# multipart message whose last frames never came when the connection
+# closes.  libzmq says so through a MessageTracker, read with its engine's
+# order in mind: the engine encodes frames into batches of out_batch_size
+# (8 KiB), writes a batch completely before it encodes the next, and takes
+# the next frame from the pipe only while the batch it is filling has room;
+# a frame is released (its tracker done) once encoded into a batch, before
+# that batch is written.  So the tracked frame cannot be in the message
+# itself: every message is followed by a flush message
 #   [fill: more than one batch][mark: tracked]
 # The fill completes the batch that holds the message's last bytes; the
-# mark is taken from the pipe, and released (tracker done), only after that
-# batch was written -- also with CURVE, where a frame is released as soon as
-# it is encrypted.  Frames below FLUSH_MARK_BYTES are copied by pyzmq
-# (cheap, and immune to later mutation); larger ones are sent zero-copy, and
-# released in order before the mark, so no caller buffer is referenced once
+# mark is taken from the pipe, and released, only after that batch was
+# written -- also with CURVE, where a frame is released as soon as it is
+# encrypted.  Frames below FLUSH_MARK_BYTES are copied by pyzmq (cheap, and
+# immune to later mutation); larger ones are sent zero-copy, and released
+# in order before the mark, so no caller buffer is referenced once
 # enqueue() returns either.
 FLUSH_FILL = bytes(9 * 1024)
 FLUSH_MARK_BYTES = 1024
 FLUSH_MARK = bytes(FLUSH_MARK_BYTES)
-ABORT = b"\x00"   # ends an interrupted message; any last frame but the mark does
+END = b"\x01"     # the last frame of a whole message
+ABORT = b"\x00"   # ends an interrupted message instead
 
 
 def tune_publisher(sock) -> None:
@@ -77,21 +84,22 @@ class SocketBroken(RuntimeError):
     the stream on it can no longer be framed."""
 
 
-def send_message(sock, msg_id: int, buffers: list, copy: bool = False):
-    """Queue one socket message; return the tracker of its last frame.
+def send_message(sock, msg_id: int, buffers: list, copy: bool = False) -> None:
+    """Queue one socket message (whole once this returns: the commit point
+    of a remote send); ``send_flush`` then tells when it has left.
 
     ``copy``: the payload frames are copied now (else they reference the
     caller's buffers until they leave this process).  If queueing stops
     between frames, the frames already queued are ended with ``ABORT``
     before the exception goes on (readers drop that message); if even that
     fails, ``SocketBroken`` is raised from it."""
-    frames = [HEADER.pack(msg_id, len(buffers)), *buffers, FLUSH_FILL]
+    frames = [HEADER.pack(msg_id, len(buffers)), *buffers]
     queued = 0
     try:
         for f in frames:
             sock.send(f, zmq.SNDMORE, copy=copy)
             queued += 1
-        return sock.send(FLUSH_MARK, copy=False, track=True)
+        sock.send(END)
     except BaseException:
         if queued:
             try:
@@ -104,17 +112,25 @@ def send_message(sock, msg_id: int, buffers: list, copy: bool = False):
         raise
 
 
+def send_flush(sock):
+    """Queue a flush message; its tracker is done once every message queued
+    before it has left this process (see FLUSH_FILL)."""
+    sock.send(FLUSH_FILL, zmq.SNDMORE, copy=False)
+    return sock.send(FLUSH_MARK, copy=False, track=True)
+
+
 def split_message(frames: list, where: str) -> tuple[int, list] | None:
     """(message id, payload frames) of a received socket message; None for
-    a message its writer ended with ``ABORT`` (to be dropped)."""
-    if len(frames[-1]) != FLUSH_MARK_BYTES:
+    a flush message or one its writer ended with ``ABORT`` (to be dropped)."""
+    last = frames[-1]
+    if len(last) != 1 or (last.bytes if hasattr(last, "bytes") else bytes(last)) != END:
         return None
     head = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
     if len(head) != HEADER.size:
         raise CorruptChunkError(f"fastmq: {where}: a socket message has a "
                                 f"{len(head)}-byte header, expected {HEADER.size}")
     msg_id, n = HEADER.unpack(head)
-    if not 1 <= n <= len(frames) - 1:
+    if not 1 <= n <= len(frames) - 2:
         raise CorruptChunkError(f"fastmq: {where}: message {msg_id} names {n} payload "
                                 f"frames but carries {len(frames) - 1}")
     return msg_id, frames[1:1 + n]

@@ -9,7 +9,7 @@ that can fail or time out happens before that point.
 from __future__ import annotations
 
 import logging
-import signal
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -41,27 +41,6 @@ class _Stats:
 
 def _nbytes(buffers: list) -> int:
     return sum(memoryview(b).nbytes for b in buffers)
-
-
-# Signals whose Python handlers are held back while a message is being
-# committed to remote and local readers (see QueueWriter._send_with_remote);
-# faults that the kernel raises synchronously are never blocked.
-_HELD_SIGNALS = signal.valid_signals() - {
-    signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT,
-    signal.SIGTRAP, signal.SIGSYS, signal.SIGKILL, signal.SIGSTOP}
-
-
-@contextmanager
-def _signals_held():
-    """No signal handler runs inside: one that raises (KeyboardInterrupt)
-    or calls shutdown() could otherwise split a committed message, giving
-    it to the remote readers and not to the local ones.  A signal that
-    arrives meanwhile is handled right after."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _resolve_geometry(max_chunk_bytes: int, max_chunks: int) -> tuple[int, int]:
@@ -106,7 +85,7 @@ class QueueWriter:
         # then the close waits for that enqueue() (``_close_pending``).
         self._send_lock = threading.RLock()
         self._close_pending = False
-        self._remote_readers: set[bytes] = set()   # identities at the handshake
+        self._remote_readers: dict[bytes, tuple[int, int]] = {}   # at the handshake
         self._remote_subs = _handshake.Subscribers()
         self._overflow_id = 0       # last local overflow send attempt
         self._remote_seq = 0        # last message committed to remote readers
@@ -202,6 +181,7 @@ class QueueWriter:
                                  if self.tensor_arena is not None else None),
             remote_curve_keys=tuple(curve.keys) if curve is not None else None,
             n_reader=n_reader,
+            writer_pid=os.getpid(),
         )
 
     # -- handshake and shutdown ----------------------------------------------
@@ -226,6 +206,7 @@ class QueueWriter:
         if remote is not None:
             poller.register(remote, zmq.POLLIN)
         local_done = not local
+        flushes = []
         start = time.monotonic()
         next_log = start + _config.warning_interval()
         while True:
@@ -236,6 +217,7 @@ class QueueWriter:
                     subs.drain(sock)
                 if self._local_readers_ready(local):
                     self.local_socket.send(b"READY")
+                    flushes.append(_sockets.send_flush(self.local_socket))
                     local_done = True
             if not remote_done:
                 self._remote_subs.drain(remote)
@@ -245,11 +227,20 @@ class QueueWriter:
                         "MessageQueue (it subscribed without a fastmq identity): fastmq "
                         "is not active in its process. Activate fastmq in every "
                         "process of the deployment or in none.")
-                if len(self._remote_subs.present) >= self.n_remote_reader:
-                    self._remote_readers = set(self._remote_subs.present)
+                # Exactly: a surplus is a reader that died or a stranger whose
+                # leaving has not reached us yet (libzmq takes a few steps to
+                # drop a closed connection); READY goes out once it has.
+                if len(self._remote_subs.present) == self.n_remote_reader:
+                    self._remote_readers = dict(self._remote_subs.present)
                     remote.send(b"READY")
+                    flushes.append(_sockets.send_flush(remote))
                     remote_done = True
             if local_done and remote_done:
+                # Like a message: READY has left this process before the
+                # first enqueue() can, so a writer killed right after one
+                # still leaves readers that finished the handshake.
+                for tracker in flushes:
+                    _sockets.wait_flushed(tracker, None, "the readers' sockets", self)
                 return
             if time.monotonic() >= next_log:
                 next_log += _config.warning_interval()
@@ -299,9 +290,8 @@ class QueueWriter:
                 if state != SLOT_ALIVE or not local[0][1].has(rank, pid):
                     missing.append(f"local rank {rank}" + (f" (pid {pid})" if pid else ""))
         if self.n_remote_reader and not self._remote_readers:
-            have = len(self._remote_subs.present)
-            missing.append(f"{self.n_remote_reader - have} of {self.n_remote_reader} "
-                           "remote readers")
+            missing.append(f"remote readers ({len(self._remote_subs.present)} subscribed, "
+                           f"{self.n_remote_reader} expected)")
         return ", ".join(missing) or "none"
 
     def shutdown(self) -> None:
@@ -440,7 +430,8 @@ class QueueWriter:
         gets the payload, and a send abandoned before (timeout, shutdown,
         dead reader) is skipped by readers by its id."""
         self._overflow_id += 1
-        tracker = _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+        _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+        tracker = _sockets.send_flush(self.local_socket)
         _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
         self.ring.send_overflow_mark(self._overflow_id)
         stats = self.stats_
@@ -450,8 +441,8 @@ class QueueWriter:
     def _send_with_remote(self, buffers: list, timeout: float | None, until: float | None):
         """Everything that can fail or time out happens before the remote
         send; the remote send is the commit point, and the ring publish
-        after it neither waits nor fails, nor can a signal handler run
-        between the two.  Returns the remote message's tracker."""
+        after it neither waits nor fails, nor can a signal handler split
+        the two.  Returns the remote message's tracker."""
         ring = self.ring
         if ring is not None:
             self._wait_turn(timeout)
@@ -469,32 +460,55 @@ class QueueWriter:
             ring.reserve_next(framed)
         if overflow:
             self._overflow_id += 1
-            tracker = _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+            _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+            tracker = _sockets.send_flush(self.local_socket)
             _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
         stats = self.stats_
         nbytes = _nbytes(buffers)
-        with _signals_held():
+        seq = self._remote_seq + 1
+        published = ring.n_published if ring is not None else 0
+        try:
             # With a deadline, enqueue() may return before the message has
             # left this process (see _flush_remote): then the frames must
             # not be the caller's memory, which it may change after.
-            try:
-                tracker = _sockets.send_message(self.remote_socket, self._remote_seq + 1,
-                                                buffers, copy=until is not None)
-            except _sockets.SocketBroken as e:
-                self._remote_broken = str(e)
-                raise
-            self._remote_seq += 1
+            _sockets.send_message(self.remote_socket, seq, buffers, copy=until is not None)
+        except _sockets.SocketBroken as e:
+            self._remote_broken = str(e)
+            raise
+        # Committed: the remote readers have the message.  The ring must
+        # take it too, whatever happens now: the publish neither waits nor
+        # heeds cancel(), a shutdown() from a signal handler is deferred
+        # (see shutdown), and an exception a signal handler raises between
+        # these lines is raised only once the local readers have it too.
+        try:
+            self._remote_seq = seq
             if ring is not None:
-                if overflow:
-                    ring.send_overflow_mark(self._overflow_id)
-                    stats.overflow_messages += 1
-                    stats.overflow_bytes += nbytes
-                else:
-                    stats.ring_bytes += ring.send(buffers, None, True)
-                    stats.ring_messages += 1
+                self._publish_committed(buffers, overflow)
+            tracker = self._remote_pending = _sockets.send_flush(self.remote_socket)
+        except BaseException as e:
+            # The next remote message's flush covers this one.
+            self._remote_seq = seq
+            if ring is not None and ring.n_published == published:
+                self._publish_committed(buffers, overflow)
+            e.add_note("fastmq: the message was committed before this exception and is "
+                       "delivered to every reader")
+            raise
+        if ring is not None:
+            if overflow:
+                stats.overflow_messages += 1
+                stats.overflow_bytes += nbytes
+            else:
+                stats.ring_messages += 1
+                stats.ring_bytes += ring.framed_size(buffers)
         stats.remote_messages += 1
         stats.remote_bytes += nbytes
         return tracker
+
+    def _publish_committed(self, buffers: list, overflow: bool) -> None:
+        if overflow:
+            self.ring.send_overflow_mark(self._overflow_id)
+        else:
+            self.ring.send(buffers, None, True)
 
     def _flush_remote(self, tracker, until: float | None) -> None:
         """Wait until the committed remote message has left this process.
@@ -504,7 +518,6 @@ class QueueWriter:
         deadline, enqueue() returns only once the message is out.  Past a
         deadline it stays queued (sent from a copy) and the next enqueue()
         waits for it first."""
-        self._remote_pending = tracker
         try:
             _sockets.wait_flushed(tracker, until, "the remote readers' socket", None)
         except TimeoutError:
@@ -525,10 +538,12 @@ class QueueWriter:
                                        "after the handshake; it is not one of the queue's "
                                        "readers and receives nothing")
                 elif not subscribed:
+                    rank, pid = self._remote_readers[who]
                     self._remote_broken = (
-                        "a remote reader disconnected from the writer after the handshake; "
-                        "messages sent since would not reach it, and a remote reader "
-                        "cannot rejoin a running queue")
+                        f"remote reader rank {rank} (pid {pid} on its node) disconnected "
+                        "from the writer after the handshake: it died or its node is "
+                        "unreachable; messages sent since would not reach it, and a "
+                        "remote reader cannot rejoin a running queue")
                     break
         if self._remote_broken is not None:
             raise RuntimeError(f"fastmq: {self._remote_broken}")

@@ -49,6 +49,9 @@ class Handle:
     remote_curve_keys: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
     # fastmq only: how many readers in all, local and remote.
     n_reader: int | None = None
+    # fastmq only: the writer's pid, so that a remote reader (which cannot
+    # see the writer's process) can name it when its connection drops.
+    writer_pid: int | None = None
 
 
 def vllm_ring_error(buffer_handle) -> HandleMismatchError:

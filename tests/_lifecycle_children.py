@@ -114,3 +114,84 @@ def claim_race(name, n_reader, chunk, chunks, rank, start_at, conn):
 
 if __name__ == "__main__":   # pragma: no cover
     sys.exit("spawn targets only")
+
+
+# -- the lifecycle stress test -------------------------------------------------
+
+def stress_message(seq: int, size: int) -> dict:
+    return {"seq": seq, "body": bytes([seq % 251]) * size}
+
+
+def stress_writer(conn, plan, sizes, seed):
+    """The writer of one stress round.  ``plan``: ``normal`` (send every
+    message, then None, then exit), ``signal`` (a signal handler calls
+    shutdown() at a random moment), ``kill`` (SIGKILL itself right after
+    a random enqueue() returned).  Reports (messages returned, error)."""
+    import random
+
+    from fastmq import MessageQueue
+
+    rng = random.Random(seed)
+    mq = MessageQueue(2, 2, max_chunk_bytes=64 * 1024, max_chunks=4,
+                      enable_shm_tensor_arena=False)
+    conn.send(mq.export_handle())
+    mq.wait_until_ready()
+    kill_after = rng.randrange(len(sizes)) if plan == "kill" else -1
+    if plan == "signal":
+        signal.signal(signal.SIGALRM, lambda *_: mq.shutdown())
+        signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.01, 0.3))
+    returned, error = 0, None
+    try:
+        for seq, size in enumerate(sizes):
+            mq.enqueue(stress_message(seq, size))
+            returned += 1
+            conn.send(("returned", returned))
+            if seq == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if plan == "normal":
+            mq.enqueue(None)
+    except RuntimeError as e:
+        error = str(e)
+    conn.send(("done", returned, error))
+
+
+def stress_reader(handle, rank, plan, leave_at, conn):
+    """A reader of one stress round.  ``plan``: ``all`` (read to the end),
+    ``fork`` (fork a helper that drops everything it inherited and exits,
+    then read to the end), ``raise`` (the worker raises after ``leave_at``
+    messages), ``kill`` (SIGKILL itself after ``leave_at`` messages).
+    Reports (seqs read, how it ended) unless killed."""
+    import gc
+
+    from fastmq import MessageQueue
+
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready()
+    conn.send(("pid", os.getpid()))
+    got, end = [], None
+    while True:
+        if plan in ("raise", "kill") and len(got) == leave_at:
+            conn.send((got, plan))
+            if plan == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("the worker failed")
+        if plan == "fork" and len(got) == leave_at:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    mq = None
+                    gc.collect()
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+        try:
+            msg = mq.dequeue(timeout=60)
+        except RuntimeError as e:
+            end = str(e)
+            break
+        if msg is None:
+            end = "end"
+            break
+        assert msg["body"] == bytes([msg["seq"] % 251]) * len(msg["body"])
+        got.append(msg["seq"])
+    conn.send((got, end))

@@ -170,6 +170,7 @@ def test_replaced_remote_reader_is_counted_once(procs):
     time.sleep(0.5)                  # and its disconnect
     a, b = mp.Pipe()
     procs.start(lc.reader_collect, h, 0, 2, b)
+    time.sleep(1.0)                  # the new reader has subscribed
     w.wait_until_ready()
     w.enqueue("a")
     w.enqueue("b")
@@ -409,3 +410,91 @@ def test_ls_lists_a_corrupt_ring_and_every_other_queue(geometry):
         assert "bad geometry" in entry["error"]
     finally:
         os.unlink(bad)
+
+
+# -- all of it at once ---------------------------------------------------------------------------
+
+def test_stress_random_lifecycles(procs):
+    """A writer and two readers per round through random lifecycles: the
+    writer ends normally, shuts down from a signal handler at a random
+    moment, or is SIGKILLed after a random enqueue(); each reader reads to
+    the end, forks a helper that exits, raises, or is SIGKILLed after a
+    random number of messages.  Every round: nothing hangs, every reader
+    that stays gets exactly the messages whose enqueue() returned, the
+    writer's only error names a reader that really left (or is the
+    shutdown), and no process leaves a file."""
+    import random
+
+    rng = random.Random(19)
+    for round_ in range(10):
+        procs.procs.clear()
+        n = rng.randrange(10, 40)
+        sizes = [rng.choice([100, 5_000, 200_000]) for _ in range(n)]
+        wplan = rng.choice(["normal", "signal", "kill"])
+        rplans = [rng.choice(["all", "all", "fork", "raise", "kill"]) for _ in range(2)]
+        leave = [rng.randrange(0, n) for _ in range(2)]
+        wconn, child = mp.Pipe()
+        writer = procs.start(lc.stress_writer, child, wplan, sizes, rng.random())
+        child.close()                 # so that a killed writer's pipe reads as EOF
+        h = wconn.recv()
+        rconns, readers = [], []
+        for rank in range(2):
+            a, b = mp.Pipe()
+            rconns.append(a)
+            readers.append(procs.start(lc.stress_reader, h, rank, rplans[rank], leave[rank], b))
+            b.close()
+        where = f"round {round_}: writer {wplan}, readers {rplans} at {leave}, {n} messages"
+        pids = {}
+        for rank, c in enumerate(rconns):
+            try:
+                pids[rank] = c.recv()[1]
+            except EOFError:
+                writer.join(5)
+                pytest.fail(f"{where}: reader {rank} died in the handshake (writer exit "
+                            f"code {writer.exitcode}, says {wconn.poll(0) and wconn.recv()})")
+        # The writer's word: how many enqueue() calls returned, and its error.
+        returned, error = 0, None
+        while wconn.poll(90):
+            try:
+                msg = wconn.recv()
+            except EOFError:          # SIGKILLed: its last word was the count
+                break
+            if msg[0] == "returned":
+                returned = msg[1]
+            else:
+                _, returned, error = msg
+                break
+        else:
+            pytest.fail(f"{where}: the writer hung")
+        reports = []
+        for rank, c in enumerate(rconns):
+            assert c.poll(90), f"{where}: reader {rank} hung"
+            reports.append(c.recv())
+        for p in [writer, *readers]:
+            p.join(60)
+            assert not p.is_alive(), f"{where}: process {p.pid} did not end"
+        # A reader that planned to leave left only if the stream reached
+        # its moment first; otherwise it ended like the others.
+        left = {pids[r] for r, (_, end) in enumerate(reports) if end in ("raise", "kill")}
+        for rank, (got, end) in enumerate(reports):
+            if end in ("raise", "kill"):
+                assert got == list(range(leave[rank])), where
+                continue
+            assert got == list(range(returned)), f"{where}: reader {rank} read {got}, {end!r}; sizes {sizes[:returned + 1]}"
+            assert end in ("end", "cancelled") or "shut the queue down" in end or \
+                "died" in end, f"{where}: reader {rank} ended with {end!r}"
+        if error is not None:
+            assert error == "cancelled" and wplan == "signal" or \
+                any(f"(pid {pid})" in error for pid in left), f"{where}: writer error {error!r}"
+        elif wplan == "normal":
+            assert returned == n, where
+        gc.collect()
+        if wplan == "kill":
+            # Its readers remove a killed writer's files when they see it
+            # dead; here the last one may have left first: the next
+            # writer on the host removes them.
+            MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2,
+                         enable_shm_tensor_arena=False)
+            gc.collect()
+        for p in [writer, *readers]:
+            assert not _files_of(p.pid), f"{where}: files left: {_files_of(p.pid)}"

@@ -122,10 +122,6 @@ def test_round_trips_across_the_nodes_are_exact(fastmq_run):
     assert fastmq_run["engine"]["round_trips"] == {"round_trips": 472}
 
 
-@pytest.mark.xfail(reason="a remote reader cannot tell that its writer died: the engine "
-                          "waits on a killed remote worker's response queue until "
-                          "cancelled, and the writer's error does not name the reader",
-                   strict=False)
 def test_a_killed_remote_worker_is_named_by_the_engine(fastmq_run):
     """SIGKILL worker 1 on node 1 mid-run: the engine's collective_rpc
     raises fastmq's error naming that worker's pid instead of waiting
