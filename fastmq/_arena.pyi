@@ -24,6 +24,7 @@ class ArenaEnd:
 
     name: str
     segment: Segment
+    owner_pid: int
     n_reader: int
     n_slots: int
     slot_bytes: int
