@@ -25,6 +25,11 @@ from fastmq.ring import ShmRingBuffer, dead_peers_note
 logger = logging.getLogger("fastmq")
 
 
+# How long a local reader waits for a promised overflow payload once it has
+# seen the writer dead with its connection still open (see _writer_gone).
+PAYLOAD_GRACE_S = 2.0
+
+
 class _ReaderEnd:
     """What both readers share: the handshake and the socket receive."""
 
@@ -105,6 +110,7 @@ class LocalReader(_ReaderEnd):
         self.n_local_reader = len(handle.local_reader_ranks)
         self.local_reader_rank = handle.local_reader_ranks.index(rank)
         self.tensor_arena = None
+        self._writer_died_at = None  # when a wait first saw the writer dead
         self._overflow_seen = 0      # id of the last overflow payload received
         self._overflow_ahead = None  # a payload received before its mark
         self._cancel_send = None
@@ -185,11 +191,20 @@ class LocalReader(_ReaderEnd):
         status = self.ring.peer_status()
         if status == READY:
             return False
-        if payload_due:
-            # The payload left the writer before its mark was published: it
-            # is on its way until a dead writer's connection has closed.
-            return status == WRITER_DIED and self._connection_dropped()
-        return True
+        if not payload_due:
+            return True
+        # The payload was in the kernel before its mark was published: it
+        # is on its way until a dead writer's connection has closed.  That
+        # close may never come (a process forked from the writer after the
+        # connection was made holds its descriptor too), so a writer dead
+        # for PAYLOAD_GRACE_S is gone as well: bytes already in the kernel
+        # arrive in far less, even on a loaded host.
+        if status != WRITER_DIED:
+            return False
+        now = time.monotonic()
+        if self._writer_died_at is None:
+            self._writer_died_at = now
+        return self._connection_dropped() or now - self._writer_died_at >= PAYLOAD_GRACE_S
 
     def _writer_gone_error(self, status: int | None = None) -> RuntimeError:
         ring = self.ring

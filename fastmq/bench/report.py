@@ -108,6 +108,10 @@ def annotate(records: list[dict]) -> None:
         r["vs_floor"] = _ratio(r, other(r, fl)) if fl and r["impl"] != fl else None
         if r["scenario"] == "tensor":
             r["gb_per_s"] = r["size_bytes"] / (r["p50"] / 1e3) / 1e9 if r["p50"] > 0 else None
+        if r.get("cpu_s_per_token") and not r["impl"].startswith("vllm"):
+            # Likewise the CPU per token: the quotient of the two figures.
+            r["cpu_vs_vllm"] = (v["cpu_s_per_token"] / r["cpu_s_per_token"]
+                                if v and v.get("cpu_s_per_token") else None)
 
 
 _SUM = {"samples", "messages", "reps"}
@@ -590,6 +594,13 @@ def load_results(path: str) -> dict:
         # Ratios from the merged figures (``merge``), also for files written
         # when a ratio was the median of the runs' ratios.
         annotate(recs)
+    # The busy-machine verdict under today's rule (runner.busy_note).
+    from fastmq.bench.runner import busy_note
+
+    m = result.get("machine", {})
+    notes = [n for n in result.get("notes", []) if not n.startswith("The machine was busy")]
+    busy = busy_note(m.get("loadavg_start"), m.get("loadavg_end"), m.get("usable_cpus") or 1)
+    result["notes"] = ([busy] if busy else []) + notes
     return result
 
 

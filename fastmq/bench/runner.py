@@ -168,6 +168,18 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     }
 
 
+def busy_note(load_start, load_end, cpus: int) -> str | None:
+    """The note for a run that other work competed with, judged by the
+    1-minute load average when it started.  The one at its end is no
+    judge: it is mostly the run's own last minute (the generate scenario
+    runs three vLLM processes on the cores), so it is only reported."""
+    if not load_start or load_start[0] <= 0.5 * cpus:
+        return None
+    return (f"The machine was busy (1-minute load average {load_start[0]} when the run "
+            f"started, {load_end and load_end[0]} at its end, {cpus} cores): other work "
+            "competed for the cores, so these are not final figures.")
+
+
 def _notes(records, params, env, load_start, load_end) -> list[str]:
     notes = []
     cpus = env.usable_cpus
@@ -178,12 +190,9 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
             f"{', '.join(map(str, over))}) have more busy processes (1 writer + N readers) "
             f"than cores, so their figures include waiting for a core. N=1 (TP=1) is the "
             f"clean figure.")
-    busy = [la[0] for la in (load_start, load_end) if la]
-    if busy and max(busy) > 0.5 * cpus:
-        notes.append(
-            f"The machine was busy (1-minute load average {load_start and load_start[0]} at "
-            f"the start, {load_end and load_end[0]} at the end, {cpus} cores): other work "
-            "competed for the cores, so these are not final figures.")
+    busy = busy_note(load_start, load_end, cpus)
+    if busy:
+        notes.append(busy)
     if params.preset == "quick":
         notes.append("--quick is a smoke run: too few samples for figures to quote.")
     if params.repeats > 1:
