@@ -1,6 +1,7 @@
 """Building handshaken queues inside one test process."""
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -29,3 +30,28 @@ def wait_for(pred, timeout: float = 10.0) -> None:
         if time.monotonic() > end:
             raise AssertionError("condition not reached")
         time.sleep(0.005)
+
+
+def refused_in_fork_child(calls) -> bool:
+    """Run each of ``calls`` in a forked child of this process: True if
+    every one raised the fork ``RuntimeError`` there (the child touches
+    nothing else, and leaves through os._exit)."""
+    from conftest import OUR_PIDS
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            refused = []
+            for call in calls:
+                try:
+                    call()
+                    refused.append(False)
+                except RuntimeError as e:
+                    refused.append("fork" in str(e))
+            code = 0 if all(refused) else 2
+        finally:
+            os._exit(code)
+    OUR_PIDS.add(pid)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0

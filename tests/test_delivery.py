@@ -19,7 +19,7 @@ import zmq
 from fastmq import MessageQueue, cleanup
 
 import _delivery_children as dc
-from _queues import local_pair, wait_for
+from _queues import local_pair, refused_in_fork_child, wait_for
 from conftest import OUR_PIDS
 
 MODES = ["futex", "zmq", "spin"]
@@ -266,22 +266,8 @@ def test_queue_used_from_forked_child_raises():
     """A writer (or reader) used from a forked child used to "send" while
     parent and child each kept their own ring position."""
     w, (r,) = local_pair(1, max_chunk_bytes=4096, max_chunks=2)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            errors = []
-            for call in (lambda: w.enqueue("from child"), lambda: r.dequeue(timeout=0)):
-                try:
-                    call()
-                except RuntimeError as e:
-                    errors.append("fork" in str(e))
-            code = 0 if errors == [True, True] else 2
-        finally:
-            os._exit(code)
-    OUR_PIDS.add(pid)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert refused_in_fork_child([lambda: w.enqueue("from child"),
+                                  lambda: r.dequeue(timeout=0)])
     w.enqueue("parent")
     assert r.dequeue(timeout=10) == "parent"
 

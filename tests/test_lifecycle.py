@@ -23,7 +23,7 @@ from fastmq import MessageQueue, _ring
 from fastmq.handle import HandleMismatchError
 
 import _lifecycle_children as lc
-from _queues import local_pair, wait_for
+from _queues import local_pair, refused_in_fork_child, wait_for
 from conftest import OUR_PIDS
 
 FORK = mp.get_context("fork")
@@ -286,24 +286,8 @@ def test_shutdown_and_acquire_write_in_a_fork_child_raise():
     """A forked child's shutdown() used to close its parent's ring, and its
     acquire_write() to publish into it."""
     w, (r,) = local_pair(1, max_chunk_bytes=4096, max_chunks=2, enable_shm_tensor_arena=False)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            raised = []
-            for call in (w.shutdown, lambda: w.acquire_write().__enter__(),
-                         lambda: r.acquire_read(timeout=0).__enter__(), r.shutdown):
-                try:
-                    call()
-                    raised.append(False)
-                except RuntimeError as e:
-                    raised.append("fork" in str(e))
-            code = 0 if all(raised) else 2
-        finally:
-            os._exit(code)
-    OUR_PIDS.add(pid)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert refused_in_fork_child([w.shutdown, lambda: w.acquire_write().__enter__(),
+                                  lambda: r.acquire_read(timeout=0).__enter__(), r.shutdown])
     w.enqueue("still open")
     assert r.dequeue(timeout=10) == "still open"
 
