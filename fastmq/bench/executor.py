@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -155,7 +154,7 @@ def _sizes(params) -> list[int]:
 
 
 def run(env, impls, params, progress) -> list[dict]:
-    from fastmq.bench.harness import BenchError, summarize
+    from fastmq.bench.harness import run_child_scenario, summarize
 
     records = []
     count = max(params.step_min, min(params.step_max, 2000))
@@ -170,23 +169,12 @@ def run(env, impls, params, progress) -> list[dict]:
             child_env = dict(os.environ, **ENGINE_ENV)
             child_env["FASTMQ_VLLM"] = "1" if expect == "fastmq" else "0"
             child_env["FASTMQ_WAIT"] = impl.wait_mode or child_env.get("FASTMQ_WAIT", "futex")
-            with tempfile.TemporaryDirectory(prefix="fastmq-bench-executor-") as d:
-                out = os.path.join(d, "out.json")
-                cmd = [sys.executable, "-m", "fastmq.bench.executor", "--workers", str(n),
-                       "--sizes", ",".join(map(str, _sizes(params))), "--warmup", str(warmup),
-                       "--count", str(count), "--expect", expect, "--out", out]
-                # Start-up imports vLLM in three processes: minutes on a busy machine.
-                limit = params.timeout_s + 600
-                try:
-                    proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True,
-                                          timeout=limit)
-                except subprocess.TimeoutExpired:
-                    raise BenchError(f"executor {impl.name}: no result within {limit:.0f} s")
-                if proc.returncode != 0:
-                    raise BenchError(f"executor {impl.name} failed (exit {proc.returncode}): "
-                                     + (proc.stderr or proc.stdout)[-2000:])
-                with open(out) as f:
-                    result = json.load(f)
+            # Start-up imports vLLM in three processes: minutes on a busy machine.
+            result = run_child_scenario(
+                "fastmq.bench.executor", ["--workers", n, "--sizes",
+                                          ",".join(map(str, _sizes(params))), "--warmup",
+                                          warmup, "--count", count, "--expect", expect],
+                child_env, params.timeout_s + 600, f"executor {impl.name}")
             by_size: dict[int, dict] = {}
             for rec in result["records"]:
                 r = by_size.setdefault(rec["size"], {

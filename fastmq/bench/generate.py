@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -216,7 +215,7 @@ def groups(impls, params) -> int:
 
 
 def run(env, impls, params, progress) -> list[dict]:
-    from fastmq.bench.harness import BenchError
+    from fastmq.bench.harness import BenchError, run_child_scenario
 
     records = []
     tokens = 32 if params.preset == "quick" else 64
@@ -243,22 +242,10 @@ def run(env, impls, params, progress) -> list[dict]:
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             child_env["PYTHONPATH"] = os.pathsep.join(
                 [root] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
-            with tempfile.TemporaryDirectory(prefix="fastmq-bench-generate-") as d:
-                out = os.path.join(d, "out.json")
-                cmd = [python, "-m", "fastmq.bench.generate", "--tp", str(n),
-                       "--tokens", str(tokens), "--reps", str(reps), "--expect", expect,
-                       "--out", out]
-                limit = params.timeout_s + 900
-                try:
-                    proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True,
-                                          timeout=limit)
-                except subprocess.TimeoutExpired:
-                    raise BenchError(f"generate {impl.name}: no result within {limit:.0f} s")
-                if proc.returncode != 0:
-                    raise BenchError(f"generate {impl.name} failed (exit {proc.returncode}): "
-                                     + (proc.stderr or proc.stdout)[-2000:])
-                with open(out) as f:
-                    result = json.load(f)
+            result = run_child_scenario(
+                "fastmq.bench.generate", ["--tp", n, "--tokens", tokens, "--reps", reps,
+                                          "--expect", expect],
+                child_env, params.timeout_s + 900, f"generate {impl.name}", python)
             outputs[impl.name] = result["tokens"]
             for rec in result["records"]:
                 records.append({

@@ -22,8 +22,11 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import signal
+import subprocess
+import tempfile
 import threading
 import time
+import json
 import traceback
 from contextlib import contextmanager
 
@@ -417,3 +420,25 @@ def summarize(values: list, scale: float = 1.0) -> dict:
         "min": v[0] / scale,
         "max": v[-1] / scale,
     }
+
+
+def run_child_scenario(module: str, args: list, env: dict, limit: float, what: str,
+                       python: str | None = None) -> dict:
+    """Run ``python -m module args --out FILE`` (a scenario whose processes
+    cannot be this harness's readers: vLLM's executor, a real engine) and
+    return the JSON it wrote; ``BenchError`` naming ``what`` if it fails or
+    says nothing within ``limit`` seconds."""
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="fastmq-bench-") as d:
+        out = os.path.join(d, "out.json")
+        cmd = [python or sys.executable, "-m", module, *map(str, args), "--out", out]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"{what}: no result within {limit:.0f} s")
+        if proc.returncode != 0:
+            raise BenchError(f"{what} failed (exit {proc.returncode}): "
+                             + (proc.stderr or proc.stdout)[-2000:])
+        with open(out) as f:
+            return json.load(f)
