@@ -341,6 +341,9 @@ class RemoteReader:
         seal = _seal.Seal(security, getattr(handle, "remote_key", None))
         self.remote_socket = self.stream = _tcp.Stream(
             handle.remote_subscribe_addr, handle.remote_addr_ipv6, seal, rank)
+        spin_us = getattr(handle, "spin_us", None)
+        self.stream.spin_s = (_config.spin_us(None) if spin_us is None else spin_us) / 1e6
+        self.stream.start_hello(self)
         self.zmq = (None, [self.stream], [])
 
     def wait_until_ready(self) -> None:

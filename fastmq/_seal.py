@@ -50,8 +50,9 @@ PROOF_BYTES = 32        # HMAC-SHA256
 NONCE_BYTES = 16        # each side's handshake nonce
 
 # nonce = (sequence number, index): segment k of a message is index k;
-# the header is HEADER_INDEX (never a segment's: 2**31 segments would be
-# a message of petabytes).
+# its header is HEADER_INDEX (never a segment's: 2**32 segments would be a
+# message of petabytes); a small message sealed whole uses HEADER_INDEX
+# alone (a message is either whole or segmented).
 _NONCE = struct.Struct("<QI")
 HEADER_INDEX = 0xFFFFFFFF
 
@@ -137,6 +138,34 @@ class Seal:
 
     def check_header(self, seq: int, header, tag) -> bool:
         return self._check(_NONCE.pack(seq, HEADER_INDEX), header, tag)
+
+    def seal_whole(self, seq: int, header: bytes, views: list) -> list:
+        """The wire form of a small message sealed at once (one tag for
+        header and frames; ``"encrypt"``: the frames encrypted, the header
+        authenticated)."""
+        if self._aead is None:
+            return [header, *views]
+        nonce = _NONCE.pack(seq, HEADER_INDEX)
+        if self.encrypting:
+            return [header, self._aead.encrypt(nonce, b"".join(views), header)]
+        blob = b"".join([header, *views])
+        return [blob, self._aead.encrypt(nonce, b"", blob)]
+
+    def open_whole(self, seq: int, wire: memoryview, header_len: int, body_len: int):
+        """The frames' bytes of a message ``seal_whole`` made (``wire`` is
+        all of it, tag included), or None if it does not check."""
+        body = wire[header_len:header_len + body_len]
+        if self._aead is None:
+            return body
+        nonce = _NONCE.pack(seq, HEADER_INDEX)
+        if self.encrypting:
+            try:
+                return self._aead.decrypt(nonce, wire[header_len:], wire[:header_len])
+            except InvalidTag:
+                return None
+        if not self._check(nonce, wire[:header_len + body_len], wire[header_len + body_len:]):
+            return None
+        return body
 
     def seal(self, seq: int, index: int, part) -> list:
         """The wire form of segment ``index`` of message ``seq``:

@@ -37,6 +37,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections import deque
 
@@ -56,6 +57,9 @@ CHALLENGE = struct.Struct(f"<4sBB{_seal.NONCE_BYTES}s")
 HELLO = struct.Struct(f"<4sqq{_seal.NONCE_BYTES}s{_seal.PROOF_BYTES}s")
 READY = struct.Struct(f"<4s{_seal.PROOF_BYTES}s")
 HEAD = struct.Struct("<4sQI")
+WHOLE = b"FMQw"       # a message sealed whole (small)
+SEGMENTED = b"FMQs"   # a message sealed segment by segment
+WHOLE_BYTES = 64 * 1024
 _MODE_CODES = {m: i for i, m in enumerate(_seal.MODES)}
 _IOV_MAX = 512
 _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
@@ -116,7 +120,7 @@ class _Joining:
 
     def __init__(self, sock, peer):
         self.sock, self.peer = sock, peer
-        self.nonce = os.urandom(_seal.NONCE_BYTES)
+        self.nonce = os.urandom(_seal.NONCE_BYTES)   # this connection's challenge
         self.got = b""
         self.identity = None   # (rank, pid, reader nonce) once proven
 
@@ -166,6 +170,8 @@ class Fanout:
     """The writer's end: a listening socket for the handshake, then one
     connection per remote reader."""
 
+    CLOSE_GRACE_S = 2.0
+
     def __init__(self, connect_ip: str, ipv6: bool, seal: _seal.Seal):
         self.seal = seal
         family = socket.AF_INET6 if ipv6 else socket.AF_INET
@@ -179,13 +185,14 @@ class Fanout:
             raise
         port = self.listener.getsockname()[1]
         self.address = f"tcp://{connect_ip}:{port}"
-        self.challenge = os.urandom(_seal.NONCE_BYTES)
         self._joining: list[_Joining] = []
         self.readers: list[_Reader] = []
         self.broken: str | None = None   # why the readers can no longer be served
         self.written_any = False   # some byte of the current message was written
         self._batches = None       # the current message's batches not sealed yet
         self._sealed: list = []    # its batches sealed so far
+        self._drainer = None       # sends the rest of a message past its deadline
+        self._closing = False
         self._poll = None
 
     # -- handshake ------------------------------------------------------------------
@@ -211,7 +218,7 @@ class Fanout:
             return False
         for j in proven:
             rank, pid, nonce = j.identity
-            proof = self.seal.prove(b"writer", self.challenge, nonce, self._mode_byte())
+            proof = self.seal.prove(b"writer", j.nonce, nonce, self._mode_byte())
             try:
                 j.sock.sendall(READY.pack(MAGIC, proof))
             except OSError as e:
@@ -246,7 +253,7 @@ class Fanout:
             j = _Joining(sock, peer)
             try:
                 sock.sendall(CHALLENGE.pack(MAGIC, VERSION, _MODE_CODES[self.seal.mode],
-                                            self.challenge))
+                                            j.nonce))
             except OSError:
                 sock.close()
                 continue
@@ -283,7 +290,7 @@ class Fanout:
         magic, rank, pid, nonce, proof = HELLO.unpack(j.got)
         if magic != MAGIC:
             return self._reject(j, "is not a fastmq reader")
-        if not self.seal.proven(proof, b"reader", self.challenge, HELLO.pack(
+        if not self.seal.proven(proof, b"reader", j.nonce, HELLO.pack(
                 magic, rank, pid, nonce, bytes(_seal.PROOF_BYTES))):
             return self._reject(j, "did not prove it holds this queue's key")
         j.identity = (rank, pid, nonce)
@@ -326,8 +333,26 @@ class Fanout:
             "node is unreachable; messages sent since would not reach it, and a remote "
             "reader cannot rejoin a running queue")
 
-    def has_pending(self) -> bool:
-        return any(r.parts for r in self.readers)
+    @property
+    def shutting_down(self) -> bool:
+        """For the drain thread's waits (see ``_wait``): the queue closed."""
+        return self._closing
+
+    def wait_drained(self, until: float | None, end) -> None:
+        """Wait (as ``_wait`` does: deadline, shutdown) until the rest of an
+        earlier message, which the drain thread sends, is out."""
+        t = self._drainer
+        while t is not None and t.is_alive():
+            if end.shutting_down:
+                raise RuntimeError("cancelled")
+            wait = SLICE_S
+            if until is not None:
+                wait = min(wait, until - time.monotonic())
+                if wait <= 0:
+                    raise TimeoutError("fastmq: a remote reader did not take the previous "
+                                       "message in time")
+            t.join(wait)
+        self._drainer = None
 
     # A message goes out as a list of sealed batches that grows as the
     # fastest reader needs the next one (sealing runs one batch ahead of the
@@ -369,8 +394,8 @@ class Fanout:
         ``until`` raises ``TimeoutError`` and ``end.shutting_down`` raises
         ``RuntimeError("cancelled")``: nothing was sent.  After it, the
         message is committed: shutdown no longer stops it, and ``until``
-        returns False (the caller then copies what is left, ``keep_rest``,
-        and the next message pushes it out first).  A reader whose
+        returns False (the caller then has what is left copied and sent in
+        the background, ``keep_rest``).  A reader whose
         connection breaks is dropped (``broken`` says which).
         ``committing=False``: only the rest of an earlier message is left;
         the deadline and ``end`` apply throughout."""
@@ -407,8 +432,8 @@ class Fanout:
     def keep_rest(self) -> None:
         """Past a deadline (or an exception) after the commit: what each
         reader has still to get becomes its own copy, so that nothing the
-        caller owns is referenced once ``enqueue()`` returns; the next
-        message pushes it out first."""
+        caller owns is referenced once ``enqueue()`` returns; a thread sends
+        it, and the next message waits for that thread first."""
         copies: dict = {}   # a part queued for several readers is copied once
 
         def own(p):
@@ -424,10 +449,35 @@ class Fanout:
                 r.parts = deque([own(p) for p in r.parts] +
                                 [own(p) for b in self._sealed[r.next_batch:] for p in b] + rest)
         self._batches, self._sealed = None, []
+        # Sent in the background: the caller may wait for the readers'
+        # answers before it enqueues again (vLLM's engine does).
+        self._drainer = threading.Thread(target=self._drain, name="fastmq-remote-drain",
+                                         daemon=True)
+        self._drainer.start()
+
+    def _drain(self) -> None:
+        try:
+            self.push(None, self, committing=False)
+        except RuntimeError:   # closed first (see close)
+            pass
+        except BaseException as e:
+            logger.warning("fastmq: sending the rest of a remote message failed: %r", e)
 
     def close(self, linger=None) -> None:
         """Close every socket.  What ``sendmsg`` took is the kernel's: it is
-        still delivered (and then the connection closed) after this."""
+        still delivered (and then the connection closed) after this.  The
+        rest of a message that the drain thread is still sending gets a
+        short grace first."""
+        t = self._drainer
+        if t is not None and t.is_alive():
+            t.join(self.CLOSE_GRACE_S)
+            self._closing = True
+            t.join(1.0)
+            if t.is_alive() or any(r.parts for r in self.readers):
+                logger.warning("fastmq: a remote queue was closed while a slow reader had "
+                               "not taken the rest of a message whose enqueue() returned "
+                               "at its deadline; that reader misses it")
+        self._closing = True
         for s in ([self.listener] if self.listener is not None else []) + \
                 [j.sock for j in self._joining] + [r.sock for r in self.readers]:
             try:
@@ -439,32 +489,38 @@ class Fanout:
 
 
 class Outgoing:
-    """One message cut into the batches that go out in turn: the header and
-    the first segments, then about a segment at a time.  Sealing is lazy,
-    one batch ahead of the socket, so a tag is computed while the previous
-    segment is still being taken by the readers."""
+    """One message as the batches of wire parts that go out in turn.
+
+    A small message (``WHOLE_BYTES`` at most) is one batch sealed at once:
+    one tag, one ``sendmsg``.  A larger one is the header, then its frames
+    cut into segments, each with its tag, about a segment per batch; the
+    batches are sealed lazily, as the fastest reader needs them, so a tag
+    is computed while the previous segment is still being taken."""
 
     def __init__(self, seal: _seal.Seal, seq: int, buffers: list):
         views = [memoryview(b).cast("B") for b in buffers]
         lengths = [len(v) for v in views]
-        header = HEAD.pack(MAGIC, seq, len(views)) + struct.pack(f"<{len(views)}Q", *lengths)
-        self.nbytes = sum(lengths)
+        self.nbytes = total = sum(lengths)
+        whole = total <= WHOLE_BYTES
+        header = HEAD.pack(WHOLE if whole else SEGMENTED, seq, len(views)) + \
+            struct.pack(f"<{len(views)}Q", *lengths)
         self._seal = seal
         self._seq = seq
-        self._first = [header, seal.tag_header(seq, header)] if seal.tag_bytes else [header]
-        self._segments = ((v[off:off + SEGMENT_BYTES])
-                          for v in views for off in range(0, max(len(v), 1), SEGMENT_BYTES))
-        self._index = 0
+        if whole:
+            self._first = seal.seal_whole(seq, header, views)
+            self._segments = ()
+        else:
+            self._first = [header, seal.tag_header(seq, header)] if seal.tag_bytes else [header]
+            self._segments = (v[off:off + SEGMENT_BYTES]
+                              for v in views for off in range(0, len(v), SEGMENT_BYTES))
 
     def batches(self):
         """Lists of wire parts; the first holds the header."""
         seal, seq = self._seal, self._seq
-        batch, size = self._first, 0
+        batch, size, index = self._first, 0, 0
         for seg in self._segments:
-            if not len(seg):
-                continue
-            batch += seal.seal(seq, self._index, seg)
-            self._index += 1
+            batch += seal.seal(seq, index, seg)
+            index += 1
             size += len(seg)
             if size >= SEGMENT_BYTES:
                 yield batch
@@ -498,16 +554,28 @@ class Stream:
         self._lo = self._hi = 0
         self._eof = False
         self._step = None    # the message being received (a generator)
+        self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
         self._seq = 0
 
     # -- waiting ---------------------------------------------------------------------
     def _drive(self, gen, until, end):
-        """Run ``gen`` (which yields when it needs more bytes) to its end."""
+        """Run ``gen`` (which yields when it needs more bytes) to its end.
+
+        Spins for ``spin_s`` first (non-blocking receives), then waits in
+        the kernel: a message that follows closely is taken without the
+        wakeup of a sleeping process, which on loopback costs more than
+        the message itself."""
+        spin_until = None
         while True:
             try:
                 next(gen)
             except StopIteration as s:
                 return s.value
+            now = time.perf_counter()
+            if spin_until is None:
+                spin_until = now + self.spin_s
+            if now < spin_until:
+                continue
             _wait([(self.fd, select.POLLIN)], until, end)
 
     def _ensure(self, n: int):
@@ -558,22 +626,50 @@ class Stream:
                 have = len(out)
 
     # -- handshake -------------------------------------------------------------------
-    def handshake(self, end) -> None:
-        if self._connect_error not in (0, errno.EINPROGRESS):
-            self._refused(self._connect_error)
-        while not _wait([(self.fd, select.POLLOUT)], None, end):
-            pass   # the connect completes (or fails) first
-        err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err:
-            self._refused(err)
+    # The reader's half runs in two steps: a short-lived thread, started
+    # with the reader, connects and answers the writer's challenge, so the
+    # writer's wait_until_ready() can complete even before this reader's is
+    # called (as it can with local readers, in one thread); then
+    # wait_until_ready() waits for the writer's READY and checks its proof.
+    def start_hello(self, end) -> None:
+        self._hello_error = None
+        self._hello_nonce = self._challenge = self._mode = None
+        self._hello_thread = threading.Thread(target=self._hello, args=(end,), daemon=True,
+                                              name="fastmq-remote-hello")
+        self._hello_thread.start()
+
+    def _hello(self, end) -> None:
         try:
-            self._drive(self._handshake(), None, end)
+            if self._connect_error not in (0, errno.EINPROGRESS):
+                self._refused(self._connect_error)
+            while not _wait([(self.fd, select.POLLOUT)], None, end):
+                pass   # the connect completes (or fails) first
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._refused(err)
+            self._drive(self._answer_challenge(), None, end)
+        except BaseException as e:
+            self._hello_error = e
+
+    def handshake(self, end) -> None:
+        t = self._hello_thread
+        while t.is_alive():
+            if end.shutting_down:
+                raise RuntimeError("cancelled")
+            t.join(SLICE_S)
+        try:
+            if self._hello_error is not None:
+                raise self._hello_error
+            self._drive(self._await_ready(), None, end)
         except PeerGone:
             raise RuntimeError(
                 f"fastmq: the writer at {self.address} closed the connection during the "
-                "handshake: it is gone, or its handshake completed without this reader "
-                "(a reader cannot join, or after a disconnect rejoin, a queue once the "
-                "writer's wait_until_ready() has returned; create a new queue)") from None
+                "handshake: it is gone, it did not accept this reader's key, or its "
+                "handshake completed without this reader (a reader cannot join, or after "
+                "a disconnect rejoin, a queue once the writer's wait_until_ready() has "
+                "returned; create a new queue)") from None
+        finally:
+            self._hello_error = None
 
     def _refused(self, err: int) -> None:
         raise RuntimeError(
@@ -582,7 +678,7 @@ class Stream:
             "without this reader (a reader cannot join, or after a disconnect rejoin, a "
             "queue once the writer's wait_until_ready() has returned; create a new queue)")
 
-    def _handshake(self):
+    def _answer_challenge(self):
         yield from self._ensure(_ZMTP_SIGNATURE_LEN)
         if _is_zmtp(bytes(self._mv[self._lo:self._hi])):
             raise WriterSpeaksZMTP()
@@ -601,10 +697,13 @@ class Stream:
         hello = HELLO.pack(MAGIC, rank, pid, nonce,
                            self.seal.prove(b"reader", challenge, blank))
         self.sock.sendall(hello)
+        self._challenge, self._hello_nonce, self._mode = challenge, nonce, mode
+
+    def _await_ready(self):
         yield from self._ensure(READY.size)
         magic, proof = READY.unpack(self._take(READY.size))
-        if magic != MAGIC or not self.seal.proven(proof, b"writer", challenge, nonce,
-                                                  bytes([mode])):
+        if magic != MAGIC or not self.seal.proven(proof, b"writer", self._challenge,
+                                                  self._hello_nonce, bytes([self._mode])):
             raise RuntimeError(f"fastmq: the peer at {self.address} did not prove it is "
                                "this queue's writer (it does not hold the queue's key)")
 
@@ -633,27 +732,38 @@ class Stream:
         seal = self.seal
         t = seal.tag_bytes
         yield from self._ensure(HEAD.size)
-        magic, seq, n = HEAD.unpack_from(self._mv, self._lo)
-        if magic != MAGIC or not 1 <= n <= MAX_FRAMES:
+        kind, seq, n = HEAD.unpack_from(self._mv, self._lo)
+        if kind not in (WHOLE, SEGMENTED) or not 1 <= n <= MAX_FRAMES:
             raise CorruptChunkError(f"fastmq: remote reader: the stream from "
                                     f"{self.address} is not a fastmq message header "
-                                    f"({bytes(magic)!r}, {n} frames)")
+                                    f"({bytes(kind)!r}, {n} frames)")
         size = HEAD.size + 8 * n
+        yield from self._ensure(size)
+        lengths = struct.unpack_from(f"<{n}Q", self._mv, self._lo + HEAD.size)
+        total = sum(lengths)
+        if kind == WHOLE:
+            if total > WHOLE_BYTES:
+                raise CorruptChunkError(f"fastmq: remote reader: message {seq} claims "
+                                        f"{total} bytes in a small message's form")
+            yield from self._ensure(size + total + t)
+            wire = self._take(size + total + t)
+            body = seal.open_whole(seq, wire, size, total)
+            if body is None:
+                raise self._unauthentic(seq)
+            self._check_seq(seq)
+            frames, off = [], 0
+            for length in lengths:
+                frames.append(bytearray(body[off:off + length]))
+                off += length
+            return frames
         yield from self._ensure(size + t)
         header = self._take(size)
-        if t:
-            tag = self._take(t)
-            if not seal.check_header(seq, header, tag):
-                raise CorruptChunkError(f"fastmq: remote reader: message header from "
-                                        f"{self.address} failed authentication")
-        if seq != self._seq + 1:
-            raise RuntimeError(
-                f"fastmq: this remote reader expected message {self._seq + 1} but "
-                f"received {seq}: a remote reader cannot rejoin a running queue")
-        lengths = struct.unpack_from(f"<{n}Q", header, HEAD.size)
-        if sum(lengths) > MAX_MESSAGE_BYTES:
+        if t and not seal.check_header(seq, header, self._take(t)):
+            raise self._unauthentic(seq)
+        self._check_seq(seq)
+        if total > MAX_MESSAGE_BYTES:
             raise CorruptChunkError(f"fastmq: remote reader: message {seq} claims "
-                                    f"{sum(lengths)} bytes")
+                                    f"{total} bytes")
         frames = []
         index = 0
         tag_buf = bytearray(t)
@@ -664,9 +774,9 @@ class Stream:
             for off in range(0, length, SEGMENT_BYTES):
                 seg = out[off:off + SEGMENT_BYTES]
                 if seal.encrypting:
-                    if wire is None or len(wire) < len(seg) + t:
-                        wire = bytearray(min(length, SEGMENT_BYTES) + t)
-                    w = memoryview(wire)[:len(seg) + t]
+                    if wire is None:
+                        wire = memoryview(bytearray(SEGMENT_BYTES + t))
+                    w = wire[:len(seg) + t]
                     yield from self._read_into(w)
                     ok = seal.decrypt_into(seq, index, w, seg)
                 else:
@@ -676,12 +786,21 @@ class Stream:
                         yield from self._read_into(memoryview(tag_buf))
                         ok = seal.check(seq, index, seg, tag_buf)
                 if not ok:
-                    raise CorruptChunkError(f"fastmq: remote reader: message {seq} from "
-                                            f"{self.address} failed authentication")
+                    raise self._unauthentic(seq)
                 index += 1
             frames.append(frame)
-        self._seq = seq
         return frames
+
+    def _unauthentic(self, seq: int) -> CorruptChunkError:
+        return CorruptChunkError(f"fastmq: remote reader: message {seq} from {self.address} "
+                                 "failed authentication (not sealed with this queue's key)")
+
+    def _check_seq(self, seq: int) -> None:
+        if seq != self._seq + 1:
+            raise RuntimeError(
+                f"fastmq: this remote reader expected message {self._seq + 1} but "
+                f"received {seq}: a remote reader cannot rejoin a running queue")
+        self._seq = seq
 
     def close(self, linger=None) -> None:
         try:

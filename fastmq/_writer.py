@@ -170,6 +170,7 @@ class QueueWriter:
             remote_security=security,
             n_reader=n_reader,
             writer_pid=os.getpid(),
+            spin_us=_config.spin_us(spin_us) if n_remote_reader else None,
         )
 
     # -- handshake and shutdown ----------------------------------------------
@@ -419,12 +420,10 @@ class QueueWriter:
         fanout = self.fanout
         if ring is not None:
             self._wait_turn(timeout)
+        # Backpressure: the rest of a message that was still going out at
+        # its deadline leaves first.
+        fanout.wait_drained(until, self)
         fanout.check_readers()
-        if fanout.has_pending():
-            # Backpressure: the rest of a message that was still going out
-            # at its deadline leaves first.
-            fanout.push(until, self, committing=False)
-            fanout.check_readers()
         overflow = False
         if ring is not None:
             framed = ring.framed_size(buffers)
@@ -454,8 +453,8 @@ class QueueWriter:
             if ring is not None:
                 self._publish_committed(buffers, overflow)
             if not fanout.push(until):
-                # Past the deadline: the rest goes out from a copy, first
-                # thing in the next enqueue() (see the README's limits).
+                # Past the deadline: the rest goes out from a copy, in the
+                # background (see the README's limits).
                 fanout.keep_rest()
         except BaseException as e:
             if not (committed or fanout.written_any):
@@ -466,8 +465,7 @@ class QueueWriter:
                 self._publish_committed(buffers, overflow)
             fanout.keep_rest()
             e.add_note("fastmq: the message was committed before this exception and is "
-                       "delivered to every reader (the rest of it to remote readers by "
-                       "this queue's next enqueue())")
+                       "delivered to every reader")
             raise
         stats = self.stats_
         if ring is not None:
@@ -489,6 +487,11 @@ class QueueWriter:
             self.ring.send_overflow_mark(self._overflow_id)
         else:
             self.ring.send(buffers, None, True)
+
+    @property
+    def remote_socket(self):
+        """The remote path's end (``fastmq._tcp.Fanout``), or None."""
+        return self.fanout
 
     def empty_tensor(self, shape, dtype=None):
         arena = self.tensor_arena

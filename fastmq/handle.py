@@ -48,6 +48,10 @@ class Handle:
     # does not print it.
     remote_security: str | None = None
     remote_key: bytes | None = field(default=None, repr=False)
+    # fastmq only: how long (microseconds) a remote reader spins for the
+    # next message before it waits in the kernel (the writer's spin_us;
+    # local readers read it from the ring).
+    spin_us: float | None = None
     # fastmq only: how many readers in all, local and remote.
     n_reader: int | None = None
     # fastmq only: the writer's pid, so that a remote reader (which cannot

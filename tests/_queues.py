@@ -55,3 +55,12 @@ def refused_in_fork_child(calls) -> bool:
     OUR_PIDS.add(pid)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 0
+
+
+def remote_close_seen(w, timeout: float = 10.0) -> None:
+    """Wait until writer ``w``'s connection to its (first) remote reader
+    shows that reader's close."""
+    import select
+
+    sock = w.remote_socket.readers[0].sock
+    wait_for(lambda: select.select([sock], [], [], 0)[0], timeout=timeout)

@@ -183,7 +183,7 @@ def test_subscriber_that_is_not_a_reader_is_not_counted():
     so the handshake could complete without the real one."""
     import zmq
 
-    w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_curve=False)
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security="none")
     h = w.export_handle()
     ctx = zmq.Context()
     stranger = ctx.socket(zmq.SUB)

@@ -1,0 +1,250 @@
+"""The remote path's security (fastmq._seal, fastmq._tcp): by default the
+writer, the readers and every message are authenticated; a stranger on
+the port, a stranger posing as the writer and a man in the middle who
+changes, drops or replays bytes are all refused with a clear error."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import threading
+
+import pytest
+
+from fastmq import MessageQueue, _seal, _tcp
+from fastmq._ring import CorruptChunkError
+
+
+def _ready(w, readers):
+    ts = [threading.Thread(target=r.wait_until_ready) for r in readers]
+    for t in ts:
+        t.start()
+    w.wait_until_ready()
+    for t in ts:
+        t.join(10)
+
+
+def test_authenticated_by_default_and_the_modes(monkeypatch):
+    monkeypatch.delenv("FASTMQ_REMOTE_SECURITY", raising=False)
+    monkeypatch.delenv("FASTMQ_CURVE", raising=False)
+    h = MessageQueue(1, 0, connect_ip="127.0.0.1").export_handle()
+    assert h.remote_security == "mac" and len(h.remote_key) == _seal.KEY_BYTES
+    h = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security="none").export_handle()
+    assert h.remote_security == "none" and h.remote_key is None
+    monkeypatch.setenv("FASTMQ_REMOTE_SECURITY", "encrypt")
+    assert MessageQueue(1, 0, connect_ip="127.0.0.1").export_handle().remote_security == \
+        "encrypt"
+    with pytest.raises(ValueError, match="FASTMQ_REMOTE_SECURITY='secret'"):
+        monkeypatch.setenv("FASTMQ_REMOTE_SECURITY", "secret")
+        MessageQueue(1, 0, connect_ip="127.0.0.1")
+    with pytest.raises(ValueError, match="remote_security='tls'"):
+        MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security="tls")
+    # The earlier switch keeps its meaning: CURVE on = encrypted, off = plain.
+    monkeypatch.delenv("FASTMQ_REMOTE_SECURITY")
+    monkeypatch.setenv("FASTMQ_CURVE", "1")
+    assert MessageQueue(1, 0, connect_ip="127.0.0.1").export_handle().remote_security == \
+        "encrypt"
+
+
+def test_the_key_stays_out_of_the_handles_repr():
+    h = MessageQueue(1, 0, connect_ip="127.0.0.1").export_handle()
+    assert h.remote_key is not None
+    assert repr(h.remote_key) not in repr(h) and h.remote_key.hex() not in repr(h)
+
+
+@pytest.mark.parametrize("security", ["mac", "encrypt", "none"])
+def test_every_mode_carries_small_and_large_messages(security):
+    np = pytest.importorskip("numpy")
+    w = MessageQueue(2, 1, connect_ip="127.0.0.1", remote_security=security,
+                     max_chunk_bytes=1 << 16)
+    h = w.export_handle()
+    local, remote = MessageQueue.create_from_handle(h, 0), MessageQueue.create_from_handle(h, 1)
+    _ready(w, [local, remote])
+    big = np.arange(3 << 18, dtype=np.int64)    # 6 MiB: several sealed segments
+    msgs = [{"step": 1}, b"", big, "x" * 70_000]
+    got = []
+    t = threading.Thread(target=lambda: got.extend(remote.dequeue(timeout=30) for _ in msgs))
+    t.start()
+    for m in msgs:
+        w.enqueue(m)
+        out = local.dequeue(timeout=30)
+        assert np.array_equal(out, m) if m is big else out == m
+    t.join(60)
+    assert got[:2] == msgs[:2] and np.array_equal(got[2], big) and got[3] == msgs[3]
+
+
+def _hello(rank, pid, proof=b"\0" * _seal.PROOF_BYTES):
+    return _tcp.HELLO.pack(_tcp.MAGIC, rank, pid, b"n" * _seal.NONCE_BYTES, proof)
+
+
+@pytest.mark.parametrize("what", ["plain bytes", "a hello without the key",
+                                  "a hello with a wrong proof"])
+def test_a_stranger_is_not_taken_for_a_reader(caplog, what):
+    """Anyone who reached the port used to be counted as the remote reader
+    (and receive every message) unless CURVE was on."""
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    addr = _tcp.parse_address(w.export_handle().remote_subscribe_addr)
+    with caplog.at_level(logging.WARNING, logger="fastmq"):
+        handshake = threading.Thread(target=w.wait_until_ready)
+        handshake.start()
+        stranger = socket.create_connection(addr)
+        stranger.settimeout(10)
+        assert stranger.recv(_tcp.CHALLENGE.size)      # the challenge
+        stranger.sendall({"plain bytes": b"GET / HTTP/1.0\r\n\r\n",
+                          "a hello without the key": _hello(0, 1),
+                          "a hello with a wrong proof": _hello(0, 1, os.urandom(32))}[what])
+        assert stranger.recv(100) == b""                # closed, nothing sent
+        r = MessageQueue.create_from_handle(w.export_handle(), 0)
+        r.wait_until_ready()
+        handshake.join(10)
+    assert "refused a connection from 127.0.0.1" in caplog.text
+    w.enqueue("for the reader only")
+    assert r.dequeue(timeout=10) == "for the reader only"
+
+
+def test_a_reader_with_the_wrong_key_is_refused():
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    h = w.export_handle()
+    wrong = MessageQueue.create_from_handle(
+        __import__("dataclasses").replace(h, remote_key=os.urandom(32)), 0)
+    good = MessageQueue.create_from_handle(h, 0)
+    errors = []
+
+    def attach_wrong():
+        try:
+            wrong.wait_until_ready()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=attach_wrong)
+    t.start()
+    _ready(w, [good])
+    t.join(10)
+    assert errors and "closed the connection during the handshake" in errors[0]
+    w.enqueue(1)
+    assert good.dequeue(timeout=10) == 1
+
+
+def test_a_stranger_posing_as_the_writer_is_refused():
+    fake = socket.socket()
+    fake.bind(("127.0.0.1", 0))
+    fake.listen()
+    real = MessageQueue(1, 0, connect_ip="127.0.0.1").export_handle()
+    h = __import__("dataclasses").replace(
+        real, remote_subscribe_addr=f"tcp://127.0.0.1:{fake.getsockname()[1]}")
+    r = MessageQueue.create_from_handle(h, 0)
+
+    def pose():
+        c, _ = fake.accept()
+        c.sendall(_tcp.CHALLENGE.pack(_tcp.MAGIC, _tcp.VERSION, 0, b"c" * 16))
+        c.recv(_tcp.HELLO.size)
+        c.sendall(_tcp.READY.pack(_tcp.MAGIC, os.urandom(32)))
+        c.recv(10)
+
+    t = threading.Thread(target=pose, daemon=True)
+    t.start()
+    with pytest.raises(RuntimeError, match="did not prove it is this queue's writer"):
+        r.wait_until_ready()
+    fake.close()
+
+
+class _Middle:
+    """A man in the middle between a reader and the writer: relays the
+    handshake, then hands each later chunk of the writer's bytes to
+    ``tamper`` (which returns what to relay)."""
+
+    def __init__(self, writer_addr, tamper):
+        self.tamper = tamper
+        self.listen = socket.socket()
+        self.listen.bind(("127.0.0.1", 0))
+        self.listen.listen()
+        self.addr = f"tcp://127.0.0.1:{self.listen.getsockname()[1]}"
+        self.writer_addr = writer_addr
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        reader, _ = self.listen.accept()
+        writer = socket.create_connection(self.writer_addr)
+        threading.Thread(target=self._pipe, args=(reader, writer, None), daemon=True).start()
+        self._pipe(writer, reader, self.tamper)
+
+    def _pipe(self, src, dst, tamper):
+        seen = 0
+        while True:
+            try:
+                data = src.recv(1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                dst.close()
+                return
+            if tamper is not None and seen >= _tcp.CHALLENGE.size + _tcp.READY.size:
+                data = tamper(data)
+            seen += len(data)
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+
+def _through_middle(tamper, security="mac"):
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
+    h = w.export_handle()
+    m = _Middle(_tcp.parse_address(h.remote_subscribe_addr), tamper)
+    r = MessageQueue.create_from_handle(__import__("dataclasses").replace(
+        h, remote_subscribe_addr=m.addr), 0)
+    _ready(w, [r])
+    return w, r
+
+
+def _flip_last_byte(data):
+    return data[:-1] + bytes([data[-1] ^ 1])
+
+
+@pytest.mark.parametrize("size", [100, 3_000_000])     # sealed whole; in segments
+@pytest.mark.parametrize("security", ["mac", "encrypt"])
+def test_a_changed_byte_is_refused(size, security):
+    w, r = _through_middle(_flip_last_byte, security)
+    threading.Thread(target=w.enqueue, args=(b"p" * size,), daemon=True).start()
+    with pytest.raises(CorruptChunkError, match="failed authentication"):
+        r.dequeue(timeout=10)
+
+
+def test_a_replayed_message_is_refused():
+    copies = []
+
+    def replay(data):
+        copies.append(data)
+        return data + data if len(copies) == 1 else data
+
+    w, r = _through_middle(replay)
+    w.enqueue("pay 10")
+    assert r.dequeue(timeout=10) == "pay 10"
+    with pytest.raises(RuntimeError, match="expected message 2 but received 1"):
+        r.dequeue(timeout=10)
+
+
+def test_without_security_a_changed_byte_goes_through():
+    """What "none" means (and why it is not the default)."""
+    w, r = _through_middle(lambda d: d.replace(b"10", b"99"), "none")
+    w.enqueue("pay 10")
+    assert r.dequeue(timeout=10) == "pay 99"
+
+
+def test_a_reader_of_vllms_own_queue_is_named():
+    """A ZMQ peer (vLLM's MessageQueue, fastmq not active in its process)
+    on the writer's port."""
+    from fastmq.handle import HandleMismatchError
+    zmq = pytest.importorskip("zmq")
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.SUB)
+        s.linger = 0
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(w.export_handle().remote_subscribe_addr)
+        with pytest.raises(HandleMismatchError, match="vLLM's own MessageQueue"):
+            w.wait_until_ready()
+    finally:
+        ctx.destroy(linger=0)
