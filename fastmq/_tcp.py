@@ -192,6 +192,7 @@ class Fanout:
         self._batches = None       # the current message's batches not sealed yet
         self._sealed: list = []    # its batches sealed so far
         self._drainer = None       # sends the rest of a message past its deadline
+        self._zmtp_since = None    # when a ZMQ peer first knocked
         self._closing = False
         self._poll = None
 
@@ -275,6 +276,13 @@ class Fanout:
             return self._reject(j, "sent bytes after its hello")
         j.got += data
         if _is_zmtp(j.got):
+            # vLLM's own reader reconnects (ZMQ does) and comes back: that
+            # is a deployment error to name; a one-off is only refused.
+            now = time.monotonic()
+            if self._zmtp_since is None:
+                self._zmtp_since = now
+            if now - self._zmtp_since < 1.0:
+                return self._reject(j, "speaks ZMQ (vLLM's own MessageQueue?)")
             from fastmq.handle import HandleMismatchError
 
             raise HandleMismatchError(

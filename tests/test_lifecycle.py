@@ -180,18 +180,20 @@ def test_replaced_remote_reader_is_counted_once(procs):
 
 def test_subscriber_that_is_not_a_reader_is_not_counted():
     """A plain subscriber (not a fastmq reader) used to count as a reader,
-    so the handshake could complete without the real one."""
+    so the handshake could complete without the real one (even without
+    authentication, remote_security="none")."""
     import zmq
 
     w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security="none")
     h = w.export_handle()
     ctx = zmq.Context()
     stranger = ctx.socket(zmq.SUB)
-    stranger.setsockopt(zmq.SUBSCRIBE, b"x" * 40)   # a topic, but not an identity
+    stranger.setsockopt(zmq.SUBSCRIBE, b"x" * 40)
     stranger.connect(h.remote_subscribe_addr)
     try:
         t, box = _in_thread(w.wait_until_ready)
         time.sleep(0.5)
+        stranger.close(0)
         assert t.is_alive(), "the handshake completed without the reader"
         r = MessageQueue.create_from_handle(h, 0)
         r.wait_until_ready()
