@@ -1,5 +1,6 @@
 """The readers' ends of a queue: ``LocalReader`` (the ring, plus the local
-socket for payloads too big for a chunk) and ``RemoteReader`` (TCP).
+socket for payloads too big for a chunk) and ``RemoteReader`` (TCP,
+``fastmq._tcp``).
 
 Every message is decoded in one place, ``fastmq._serde.decode``, whichever
 way its frames came: the ring hands over a view of the pickle stream in
@@ -31,7 +32,8 @@ PAYLOAD_GRACE_S = 2.0
 
 
 class _ReaderEnd:
-    """What both readers share: the handshake and the socket receive."""
+    """The ZMQ side of a local reader: the handshake and the receive of an
+    overflow payload on its ipc socket."""
 
     is_writer = False
     handle: Handle

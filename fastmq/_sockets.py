@@ -1,16 +1,16 @@
-"""The ZMQ side of a queue end: socket options, the framing of a socket
-message, the wait until a sent message has left this process, and closing
-an end's sockets.
+"""The ZMQ side of a queue end on the writer's node: socket options, the
+framing of a socket message, the wait until a sent message has left this
+process, and closing an end's sockets.  (Remote readers use plain TCP:
+``fastmq._tcp``.)
 
-Socket messages (local overflow payloads and every remote message) are::
+Socket messages (local overflow payloads) are::
 
     [header][pickle stream][out-of-band buffer ...][END]
 
 each followed by a flush message ``[fill][mark]`` that readers skip (see
 FLUSH_FILL).  header = (message id, number of payload frames).  Local overflow ids count
 send attempts, so a payload the writer abandoned (its ring mark never
-published) is recognised and skipped; remote ids count committed messages,
-so a remote reader sees any gap.
+published) is recognised and skipped.
 
 A message is queued frame by frame.  When something interrupts it between
 frames (a socket error, an exception from a signal handler), the frames
@@ -51,8 +51,7 @@ HEADER = struct.Struct("<QI")
 #   [fill: more than one batch][mark: tracked]
 # The fill completes the batch that holds the message's last bytes; the
 # mark is taken from the pipe, and released, only after that batch was
-# written -- also with CURVE, where a frame is released as soon as it is
-# encrypted.  Frames below FLUSH_MARK_BYTES are copied by pyzmq (cheap, and
+# written.  Frames below FLUSH_MARK_BYTES are copied by pyzmq (cheap, and
 # immune to later mutation); larger ones are sent zero-copy, and released
 # in order before the mark, so no caller buffer is referenced once
 # enqueue() returns either.
@@ -67,9 +66,9 @@ def tune_publisher(sock) -> None:
     """Options of an XPUB that carries messages.
 
     No high-water mark: the ring bounds what a local reader can have
-    outstanding, and the flush wait bounds the remote path to one message
-    in flight, so a limit could only ever drop a message whose enqueue()
-    had returned.  NODROP makes any limit block instead."""
+    outstanding (and the flush wait a payload in flight), so a limit could
+    only ever drop a message whose enqueue() had returned.  NODROP makes
+    any limit block instead."""
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.XPUB_NODROP, 1)
     sock.copy_threshold = FLUSH_MARK_BYTES
@@ -85,8 +84,8 @@ class SocketBroken(RuntimeError):
 
 
 def send_message(sock, msg_id: int, buffers: list, copy: bool = False) -> None:
-    """Queue one socket message (whole once this returns: the commit point
-    of a remote send); ``send_flush`` then tells when it has left.
+    """Queue one socket message (whole once this returns); ``send_flush``
+    then tells when it has left.
 
     ``copy``: the payload frames are copied now (else they reference the
     caller's buffers until they leave this process).  If queueing stops
