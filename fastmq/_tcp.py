@@ -538,6 +538,18 @@ class Outgoing:
 
 
 # -- the reader's side ------------------------------------------------------------
+def _frame_buffer(length: int):
+    """Writable memory for a received frame.  A large one is not zeroed
+    first (``bytearray(n)`` writes every page once before the socket
+    writes it again: a third of a large transfer)."""
+    if length < Stream.DIRECT_BYTES:
+        return bytearray(length)
+    import numpy
+
+    return numpy.empty(length, dtype=numpy.uint8)
+
+
+
 class Stream:
     """A remote reader's end: the connection to the writer and a small
     receive buffer.  ``recv`` is resumable: a deadline that passes in the
@@ -777,7 +789,7 @@ class Stream:
         tag_buf = bytearray(t)
         wire = None
         for length in lengths:
-            frame = bytearray(length)
+            frame = _frame_buffer(length)
             out = memoryview(frame)
             for off in range(0, length, SEGMENT_BYTES):
                 seg = out[off:off + SEGMENT_BYTES]
