@@ -76,6 +76,8 @@ from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _ali
 from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
 from fastmq._shm cimport Segment
 from fastmq._shm import ShmFullError
+from fastmq._sink cimport PickleSink
+from pickle import loads as _loads
 
 from fastmq._proc import START_TAG_MASK, is_alive as _process_alive
 
@@ -124,11 +126,30 @@ cdef enum:
     ST_WRITER_CLOSED = 2
     ST_WRITER_DIED = 3
     ST_READER_DIED = 4
+    ST_OVERFLOW = 5
+    ST_PICKLER_STALE = 6
 READY = ST_READY
 LONG_WAIT = ST_LONG_WAIT
 WRITER_CLOSED = ST_WRITER_CLOSED
 WRITER_DIED = ST_WRITER_DIED
 READER_DIED = ST_READER_DIED
+# Not waits: read_object() found an overflow mark; send_object() was handed
+# a pickler that must be rebuilt first.
+OVERFLOW = ST_OVERFLOW
+PICKLER_STALE = ST_PICKLER_STALE
+
+
+class _Pending:
+    """What ``read_object`` returns instead of a message (see ``pending``)."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return "fastmq._ring.PENDING"
+
+
+PENDING = _Pending()
+cdef object _PENDING = PENDING
 
 cdef int64_t PARK_SLICE_NS = 100_000_000     # safety-net re-check while parked
 cdef int64_t SPIN_SLICE_NS = 20_000_000      # GIL/signal check while spinning
@@ -708,47 +729,123 @@ cdef class RingEnd:
         """
         self._check_writer()
         cdef Py_ssize_t n = len(buffers)
-        cdef Py_ssize_t i, total
+        cdef Py_ssize_t i
         cdef Py_buffer *views = <Py_buffer *>malloc(sizeof(Py_buffer) * (n if n > 0 else 1))
-        if views == NULL:
-            raise MemoryError()
+        cdef const char **ptrs = <const char **>malloc(sizeof(char *) * (n if n > 0 else 1))
+        cdef Py_ssize_t *lens = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * (n if n > 0 else 1))
         cdef Py_ssize_t got = 0
-        cdef int idx, status
-        cdef char *c
-        cdef Py_ssize_t off
         try:
-            total = FRAME_HEAD + 8 * n
+            if views == NULL or ptrs == NULL or lens == NULL:
+                raise MemoryError()
             for i in range(n):
                 PyObject_GetBuffer(buffers[i], &views[i], PyBUF_SIMPLE)
                 got += 1
-                total = _align(total, 8) + views[i].len
-            if total > self.max_chunk_bytes:
-                return 0
-            if committed:
-                self._check_turn(self.current_idx)
-            else:
-                status = self.begin_wait(timeout)
-                if status != ST_READY:
-                    return -status
-            idx = self.current_idx
-            self.reserve_chunk(idx, total)
-            c = self.chunk(idx)
-            with nogil:
-                fmq_store_u8_rel(self.meta(idx), 0)
-                c[0] = 0
-                (<uint32_t *>(c + 4))[0] = <uint32_t>n
-                off = FRAME_HEAD + 8 * n
-                for i in range(n):
-                    (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0] = views[i].len
-                    off = _align(off, 8)
-                    memcpy(c + off, views[i].buf, views[i].len)
-                    off += views[i].len
-            self.publish(idx)
-            return total
+                ptrs[i] = <const char *>views[i].buf
+                lens[i] = views[i].len
+            return self.frame_and_publish(n, ptrs, lens, timeout, committed)
         finally:
             for i in range(got):
                 PyBuffer_Release(&views[i])
             free(views)
+            free(ptrs)
+            free(lens)
+
+    cdef Py_ssize_t frame_and_publish(self, Py_ssize_t n, const char **ptrs,
+                                      Py_ssize_t *lens, object timeout,
+                                      bint committed) except -1000:
+        # send()'s work once the buffers are pinned: see its docstring for
+        # what the result means.
+        cdef Py_ssize_t i, total = FRAME_HEAD + 8 * n, off
+        cdef int idx, status
+        cdef char *c
+        for i in range(n):
+            total = _align(total, 8) + lens[i]
+        if total > self.max_chunk_bytes:
+            return 0
+        if committed:
+            self._check_turn(self.current_idx)
+        else:
+            status = self.begin_wait(timeout)
+            if status != ST_READY:
+                return -status
+        idx = self.current_idx
+        self.reserve_chunk(idx, total)
+        c = self.chunk(idx)
+        with nogil:
+            fmq_store_u8_rel(self.meta(idx), 0)
+            c[0] = 0
+            (<uint32_t *>(c + 4))[0] = <uint32_t>n
+            off = FRAME_HEAD + 8 * n
+            for i in range(n):
+                (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0] = lens[i]
+                off = _align(off, 8)
+                memcpy(c + off, ptrs[i], lens[i])
+                off += lens[i]
+        self.publish(idx)
+        return total
+
+    def send_object(self, obj, pickler, PickleSink sink, timeout=None):
+        """Pickle ``obj`` with ``pickler`` (whose file and buffer callback
+        are ``sink``) and send it: the writer's whole ``enqueue()`` of a
+        message that fits a chunk, in one call.
+
+        The object is pickled before the ring is touched, so one that
+        cannot be pickled raises with nothing sent.  Returns as
+        ``send_pickled``, or ``-PICKLER_STALE`` with nothing pickled when
+        the sink says the pickler must be rebuilt first."""
+        self._check_writer()
+        if sink.needs_new_pickler():
+            return -ST_PICKLER_STALE
+        sink.pickle(pickler, obj)
+        return self.send_sink(sink, timeout)
+
+    def send_pickled(self, PickleSink sink, timeout=None):
+        """Frame the message pickled into ``sink`` into the next chunk and
+        publish it (as ``send``); then ``sink``'s arena commit runs and the
+        sink lets go of the message's out-of-band buffers.  Returns the
+        framed size; 0 when the message does not fit a chunk (nothing sent,
+        ``sink.frames()`` gives it for the overflow path); or a wait status
+        negated, with nothing sent: act on it, ``continue_wait()`` until
+        ``READY``, then call this again."""
+        self._check_writer()
+        return self.send_sink(sink, timeout)
+
+    cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout) except -1000:
+        if sink.oob is None:
+            raise RuntimeError("fastmq: no pickled message in the sink")
+        cdef list oob = sink.oob
+        cdef Py_ssize_t n = 1 + len(oob), i, got = 1, sent
+        cdef Py_buffer fixed_views[4]
+        cdef const char *fixed_ptrs[5]
+        cdef Py_ssize_t fixed_lens[5]
+        cdef Py_buffer *views = fixed_views
+        cdef const char **ptrs = fixed_ptrs
+        cdef Py_ssize_t *lens = fixed_lens
+        if n > 5:
+            views = <Py_buffer *>malloc(sizeof(Py_buffer) * (n - 1))
+            ptrs = <const char **>malloc(sizeof(char *) * n)
+            lens = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * n)
+        try:
+            if views == NULL or ptrs == NULL or lens == NULL:
+                raise MemoryError()
+            ptrs[0] = sink.buf
+            lens[0] = sink.size
+            for i in range(1, n):
+                PyObject_GetBuffer(oob[i - 1], &views[i - 1], PyBUF_SIMPLE)
+                got += 1
+                ptrs[i] = <const char *>views[i - 1].buf
+                lens[i] = views[i - 1].len
+            sent = self.frame_and_publish(n, ptrs, lens, timeout, False)
+        finally:
+            for i in range(1, got):
+                PyBuffer_Release(&views[i - 1])
+            if views != fixed_views:
+                free(views)
+                free(ptrs)
+                free(lens)
+        if sent > 0:
+            sink.committed()
+        return sent
 
     def send_overflow_mark(self, uint64_t msg_id):
         """Publish, in the next chunk (``wait_next()`` returned ``READY``
@@ -839,6 +936,19 @@ cdef class RingEnd:
             raise
 
     cdef object take_frames(self, int idx, char *c):
+        cdef uint64_t start0, len0
+        cdef list oob = self.take_oob(idx, c, &start0, &len0)
+        cdef object stream
+        if len0 <= COPY_STREAM_MAX:
+            stream = PyBytes_FromStringAndSize(c + start0, len0)
+            self.release_chunk(idx)
+            return stream, oob, -1
+        cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes + start0
+        return self.data_view[s:s + len0], oob, idx
+
+    cdef list take_oob(self, int idx, char *c, uint64_t *start0, uint64_t *len0):
+        # Validates the chunk's framing, copies the out-of-band buffers out
+        # and says where the pickle stream lies in the chunk.
         cdef uint8_t overflow = (<uint8_t *>c)[0]
         if overflow != 0:
             raise CorruptChunkError("fastmq ring chunk %d: bad overflow mark %d" % (idx, overflow))
@@ -847,8 +957,10 @@ cdef class RingEnd:
         if n < 1 or FRAME_HEAD + 8 * n > cap:
             raise CorruptChunkError("fastmq ring chunk %d: bad buffer count %d" % (idx, n))
         cdef uint64_t off = FRAME_HEAD + 8 * n
-        cdef uint64_t ln, start0 = 0, len0 = 0
+        cdef uint64_t ln
         cdef Py_ssize_t i
+        start0[0] = 0
+        len0[0] = 0
         # Validate all lengths before touching any payload byte.
         for i in range(<Py_ssize_t>n):
             ln = (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0]
@@ -858,13 +970,15 @@ cdef class RingEnd:
                     "fastmq ring chunk %d: buffer %d of %d bytes at offset %d overruns "
                     "the %d-byte chunk" % (idx, i, ln, off, cap))
             if i == 0:
-                start0 = off
-                len0 = ln
+                start0[0] = off
+                len0[0] = ln
             off += ln
         cdef list oob = []
+        if n == 1:
+            return oob
         cdef object ba
         cdef char *dst
-        off = start0 + len0
+        off = start0[0] + len0[0]
         for i in range(1, <Py_ssize_t>n):
             ln = (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0]
             off = (off + 7) & ~(<uint64_t>7)
@@ -879,13 +993,47 @@ cdef class RingEnd:
                 memcpy(dst, c + off, ln)
             oob.append(ba)
             off += ln
-        cdef object stream
-        if len0 <= COPY_STREAM_MAX:
-            stream = PyBytes_FromStringAndSize(c + start0, len0)
+        return oob
+
+    def read_object(self, timeout=None, arena=None):
+        """A reader's whole ``dequeue()`` of a message in the ring, in one
+        call: hand back ``arena``'s released slots (``flush_releases()``),
+        wait for this reader's next chunk (as ``wait_next``), validate its
+        framing, copy the out-of-band buffers out, unpickle the stream in
+        place (``decode_frames``) and mark the chunk read -- also when the
+        framing is invalid (``CorruptChunkError``) or unpickling fails.
+
+        Returns the message, or ``PENDING`` with ``pending`` set to why
+        nothing was read: a wait status (``LONG_WAIT``, ``WRITER_CLOSED``,
+        ``WRITER_DIED``; act on it, ``continue_wait()`` until ``READY``,
+        call again) or ``OVERFLOW`` (an overflow mark: ``overflow_id``
+        names the socket message that carries the payload, and the chunk
+        stays unread until ``release_read(current_idx)``)."""
+        self._check_reader()
+        if arena is not None:
+            arena.flush_releases()
+        cdef int status = self.begin_wait(timeout)
+        if status != ST_READY:
+            self.pending = status
+            return _PENDING
+        cdef int idx = self.current_idx
+        cdef char *c = self.chunk(idx)
+        if (<uint8_t *>c)[0] == 1:
+            self.overflow_id = (<uint64_t *>(c + 8))[0]
+            self.pending = ST_OVERFLOW
+            return _PENDING
+        cdef uint64_t start0, len0
+        cdef Py_ssize_t s
+        stream = None
+        try:
+            oob = self.take_oob(idx, c, &start0, &len0)
+            s = self.data_off + idx * self.max_chunk_bytes + start0
+            stream = self.data_view[s:s + len0]
+            return decode_frames(stream, oob, arena)
+        finally:
+            if stream is not None:
+                stream.release()
             self.release_chunk(idx)
-            return stream, oob, -1
-        cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes + start0
-        return self.data_view[s:s + len0], oob, idx
 
     # -- peers (header fields other modules read) --------------------------
     @property
@@ -1004,6 +1152,19 @@ cdef class RingEnd:
             self.data_view.release()
             self.data_view = None
         self.base = NULL
+
+
+def decode_frames(stream, list oob, arena=None):
+    """The object a message's frames carry: ``stream`` is the pickle stream
+    (a view into a ring chunk, or a socket frame) and ``oob`` its
+    out-of-band buffers, some of which may be descriptors of ``arena``
+    slots (a reader's end, whose ``map_oob`` maps them to views of the
+    slots).  Every message is decoded here, whichever way it came."""
+    if oob:
+        if arena is not None:
+            oob = arena.map_oob(oob)
+        return _loads(stream, buffers=oob)
+    return _loads(stream)
 
 
 # -- read-only inspection (fastmq ls, fastmq cleanup) ------------------------

@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import zmq
 
 from fastmq import _config, _curve, _handshake, _net, _sockets, cleanup, segments
-from fastmq._ring import (LONG_WAIT, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD, SLOT_FREE,
-                          SLOT_LEFT, WAIT_ZMQ)
+from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD,
+                          SLOT_FREE, SLOT_LEFT, WAIT_ZMQ)
 from fastmq._serde import Encoder
 from fastmq.handle import BufferHandle, Handle, HandleMismatchError
 from fastmq.ring import ShmRingBuffer
@@ -369,41 +369,37 @@ class QueueWriter:
             try:
                 if self.shutting_down:
                     raise RuntimeError("cancelled")
+                if self.n_remote_reader == 0:
+                    # Node-local readers only: one call into the ring pickles
+                    # the message into the encoder's buffer, frames it into
+                    # the next chunk, publishes it and commits its arena slots.
+                    ring = self.ring
+                    encoder = self.encoder
+                    published = ring.n_published
+                    try:
+                        framed = ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
+                        if framed <= 0:
+                            framed = self._send_local_slow(obj, framed, timeout)
+                    except BaseException:
+                        encoder.sink.clear()
+                        self._settle_arena(published)
+                        raise
+                    if framed:
+                        stats = self.stats_
+                        stats.ring_messages += 1
+                        stats.ring_bytes += framed
+                    if self._zmq_wakeup and ring.notify_errors and not self._notify_failure_logged:
+                        self._log_notify_failure()
+                    return
                 arena = self.tensor_arena
                 ring = self.ring
                 published = ring.n_published if ring is not None else 0
-                remote = None
                 try:
                     buffers = self.encoder.encode(obj)
-                    if self.n_remote_reader == 0:
-                        framed = ring.send(buffers, timeout)
-                        if framed < 0:
-                            # A wait status (nothing sent): act on it, then the
-                            # chunk is free and the send does not wait again.
-                            self._keep_waiting(-framed)
-                            framed = ring.send(buffers, timeout)
-                        if framed:
-                            stats = self.stats_
-                            stats.ring_messages += 1
-                            stats.ring_bytes += framed
-                        else:
-                            # Too big for a chunk (send waited for nothing): one
-                            # deadline covers the wait for a chunk and the flush.
-                            until = _sockets.deadline(timeout)
-                            self._wait_turn(timeout)
-                            self._send_overflow(buffers, until)
-                    else:
-                        until = _sockets.deadline(timeout)
-                        remote = self._send_with_remote(buffers, timeout, until)
+                    until = _sockets.deadline(timeout)
+                    remote = self._send_with_remote(buffers, timeout, until)
                 except BaseException:
-                    if arena is not None:
-                        if ring is not None and ring.n_published != published:
-                            # The chunk naming these slots is out: readers own
-                            # the slots now and release them.
-                            arena.commit()
-                        else:
-                            # Never published to a reader: the slots are free again.
-                            arena.abort()
+                    self._settle_arena(published)
                     raise
                 if arena is not None:
                     self._commit_arena()
@@ -415,6 +411,49 @@ class QueueWriter:
                 if self._close_pending:
                     # shutdown() ran in a signal handler during this call.
                     self._close_ring()
+
+    def _send_local_slow(self, obj: Any, framed: int, timeout: float | None) -> int:
+        """What ``ring.send_object`` left to do: rebuild a stale pickler, act
+        on a wait status, or send a message too big for a chunk over the
+        overflow socket (returns 0 then)."""
+        ring = self.ring
+        encoder = self.encoder
+        try:
+            while framed == -PICKLER_STALE:
+                encoder.refresh()
+                framed = ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
+            if framed < 0:
+                # A wait status (pickled, nothing sent): act on it, then the
+                # chunk is free and the send does not wait again.
+                self._keep_waiting(-framed)
+                framed = ring.send_pickled(encoder.sink, timeout)
+            if framed == 0:
+                # Too big for a chunk (send waited for nothing): one
+                # deadline covers the wait for a chunk and the flush.
+                until = _sockets.deadline(timeout)
+                self._wait_turn(timeout)
+                self._send_overflow(encoder.sink.frames(), until)
+                if self._commit_arena is not None:
+                    self._commit_arena()
+        finally:
+            # The message's out-of-band buffers are the caller's memory.
+            encoder.sink.clear()
+        return framed
+
+    def _settle_arena(self, published: int) -> None:
+        """After a failed enqueue(): the slots of a message whose chunk is
+        out belong to the readers; those of one never published are free."""
+        arena = self.tensor_arena
+        if arena is None:
+            return
+        ring = self.ring
+        if ring is not None and ring.n_published != published:
+            # The chunk naming these slots is out: readers own
+            # the slots now and release them.
+            arena.commit()
+        else:
+            # Never published to a reader: the slots are free again.
+            arena.abort()
 
     def _log_notify_failure(self) -> None:
         # Once: it would otherwise repeat on every message.
