@@ -27,7 +27,7 @@ RATIO_RULE = ("ratio = the reference's time / this row's time (for rates: this r
               "the reference's rate): above 1x this row is faster than the reference")
 
 ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "fastmq-remote",
-                  "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor"),
+                  "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor+pickle", "floor"),
          "throughput": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq"),
          "tensor": ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm",
                     "fastmq-remote", "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor"),
@@ -53,13 +53,17 @@ TITLES = {
 }
 
 # The floor each scenario's "vs floor" column uses.
-FLOOR_OF = {"step": "floor", "tensor": "floor", "wake": "floor-pipe"}
+FLOOR_OF = {"step": "floor+pickle", "tensor": "floor", "wake": "floor-pipe"}
 
 
 def bounded_by(floor: str, impl: str) -> bool:
     """Whether floor ``floor`` must come out at or below ``impl``'s time."""
     if impl == floor or impl == "floor-memcpy":
         return False
+    if floor == "floor+pickle":
+        # Every queue pickles the message and the answer and crosses
+        # between processes.
+        return not impl.startswith("floor")
     if floor == "floor":
         # The tensor arenas may copy with several threads; the floor's copy
         # is one memcpy on one thread.
@@ -334,6 +338,10 @@ def _section_notes(records, rs, scenario) -> list[str]:
             notes.append("floor: the same round trip over bare shared memory in C (payload "
                          "copied in, each reader copies it out and answers on its own cache "
                          "line); no queue, no pickling.")
+        if any(r["impl"] == "floor+pickle" for r in rs):
+            notes.append("floor+pickle, the step's floor (vs floor): floor plus pickle.dumps "
+                         "and pickle.loads of the same message and of one answer, timed in "
+                         "the same run; vs floor = floor+pickle p50 / this p50.")
         if any(r["impl"].endswith("-remote") or "-remote+" in r["impl"] for r in rs):
             notes.append("-remote: every reader attaches as a remote reader (TCP over "
                          "loopback, on this machine's cores); +curve: with CURVE encryption "
@@ -440,6 +448,14 @@ def headline(records: list[dict]) -> list[list[str]]:
                                  f"p50", f"{_fig(f, 'p50', 'us')} ({mine})",
                                  f"{_fig(v, 'p50', 'us')} ({v['impl']})",
                                  _ratio_cell(f, "vs_vllm")])
+                fl = get("step", FLOOR_OF["step"], n, size)
+                if f and fl:
+                    rows.append([f"{label} against its floor (pickling + a C round trip), "
+                                 f"{fmt_size(size)}, N={n_cell(n, 'step', size)}, p50",
+                                 f"{_fig(f, 'p50', 'us')} ({mine})",
+                                 f"{_fig(fl, 'p50', 'us')} ({fl['impl']})"
+                                 + (" (!)" if fl.get("not_a_floor") else ""),
+                                 _ratio_cell(f, "vs_floor")])
     for n in ns("throughput"):
         f = get("throughput", "fastmq-futex", n, None)
         f = f or next((r for r in records if r["scenario"] == "throughput"
