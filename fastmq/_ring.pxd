@@ -52,6 +52,9 @@ cdef class RingEnd:
     cdef readonly object last_notify_error
     # Message id of the overflow mark that read_frames() last returned None for.
     cdef readonly uint64_t overflow_id
+    # Messages and framed bytes send_object() / send_pickled() published.
+    cdef readonly uint64_t sent_messages
+    cdef readonly uint64_t sent_bytes
     # Why read_object() last returned PENDING: a wait status or OVERFLOW.
     cdef readonly int pending
     # Writer: bytes of each chunk reserved in /dev/shm so far.

@@ -52,6 +52,8 @@ class RingEnd:
     last_notify_error: str | None
     overflow_id: int
     pending: int
+    sent_messages: int
+    sent_bytes: int
     @staticmethod
     def create(seg: Segment, n_reader: int, max_chunk_bytes: int, max_chunks: int,
                wait_mode: int, spin_ns: int, writer_pid: int, writer_start: int,

@@ -60,8 +60,9 @@ syscall.  Parked waiters also wake every PARK_SLICE as a safety net.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.buffer cimport PyBUF_READ, PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport INT64_MAX, uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
@@ -796,8 +797,14 @@ cdef class RingEnd:
         self._check_writer()
         if sink.needs_new_pickler():
             return -ST_PICKLER_STALE
-        sink.pickle(pickler, obj)
-        return self.send_sink(sink, timeout)
+        try:
+            sink.pickle(pickler, obj)
+            return self.send_sink(sink, timeout)
+        except BaseException:
+            # Nothing was published (the publish is the last step and
+            # cannot fail): the message's arena slots are free again.
+            sink.aborted()
+            raise
 
     def send_pickled(self, PickleSink sink, timeout=None):
         """Frame the message pickled into ``sink`` into the next chunk and
@@ -808,7 +815,11 @@ cdef class RingEnd:
         negated, with nothing sent: act on it, ``continue_wait()`` until
         ``READY``, then call this again."""
         self._check_writer()
-        return self.send_sink(sink, timeout)
+        try:
+            return self.send_sink(sink, timeout)
+        except BaseException:
+            sink.aborted()
+            raise
 
     cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout) except -1000:
         if sink.oob is None:
@@ -844,6 +855,8 @@ cdef class RingEnd:
                 free(ptrs)
                 free(lens)
         if sent > 0:
+            self.sent_messages += 1
+            self.sent_bytes += sent
             sink.committed()
         return sent
 
@@ -1023,13 +1036,13 @@ cdef class RingEnd:
             self.pending = ST_OVERFLOW
             return _PENDING
         cdef uint64_t start0, len0
-        cdef Py_ssize_t s
-        stream = None
+        cdef object stream = None
         try:
             oob = self.take_oob(idx, c, &start0, &len0)
-            s = self.data_off + idx * self.max_chunk_bytes + start0
-            stream = self.data_view[s:s + len0]
-            return decode_frames(stream, oob, arena)
+            # Unpickled in place: the chunk stays this reader's until the
+            # object is built (its bytes are copies), then it is marked read.
+            stream = PyMemoryView_FromMemory(c + start0, len0, PyBUF_READ)
+            return _decode(stream, oob, arena)
         finally:
             if stream is not None:
                 stream.release()
@@ -1160,6 +1173,10 @@ def decode_frames(stream, list oob, arena=None):
     out-of-band buffers, some of which may be descriptors of ``arena``
     slots (a reader's end, whose ``map_oob`` maps them to views of the
     slots).  Every message is decoded here, whichever way it came."""
+    return _decode(stream, oob, arena)
+
+
+cdef object _decode(object stream, list oob, object arena):
     if oob:
         if arena is not None:
             oob = arena.map_oob(oob)

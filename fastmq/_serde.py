@@ -125,7 +125,8 @@ class Encoder:
     ``arena`` (the writer's end of the tensor arena) may claim large buffers
     first: its ``copy_to_slot(buf)`` is asked for every ``PickleBuffer`` and
     may return a small slot descriptor to send out of band instead of the
-    bytes, its ``commit()`` runs once a message is published, and its
+    bytes, its ``commit()`` runs once a message is published (``abort()``
+    once sending it failed before that), and its
     ``reducer_override(obj)`` is the pickler's (see ``fastmq._arena``): the
     core's bound (Cython) method itself, since the pickler calls it for
     every object that is not a builtin container or atom.
@@ -133,12 +134,13 @@ class Encoder:
 
     def __init__(self, arena: Any = None, oob_min_bytes: int = OOB_MIN_BYTES):
         self._reducer_override = None
-        to_slot = commit = None
+        to_slot = commit = abort = None
         if arena is not None:
             self._reducer_override = arena.reducer_override
             to_slot = getattr(arena, "copy_to_slot", None)
             commit = getattr(arena, "commit", None)
-        self.sink = PickleSink(to_slot, commit, oob_min_bytes)
+            abort = getattr(arena, "abort", None)
+        self.sink = PickleSink(to_slot, commit, abort, oob_min_bytes)
         self.pickler = None
         self.refresh()
 

@@ -6,6 +6,7 @@ cdef class PickleSink:
     cdef list oob
     cdef object to_slot
     cdef object commit
+    cdef object abort
     cdef readonly Py_ssize_t oob_min
     # What the pickler was built against (see expect()).
     cdef dict copyreg_table
@@ -17,4 +18,5 @@ cdef class PickleSink:
     cdef int grow(self, Py_ssize_t need) except -1
     cdef int pickle(self, object pickler, object obj) except -1
     cdef int committed(self) except -1
+    cdef int aborted(self) except -1
     cdef bint needs_new_pickler(self) except -1

@@ -27,16 +27,17 @@ cdef enum:
 
 
 cdef class PickleSink:
-    """``PickleSink(to_slot=None, commit=None, oob_min=1 MiB)``.
+    """``PickleSink(to_slot=None, commit=None, abort=None, oob_min=1 MiB)``.
 
     ``to_slot(buf)`` (the tensor arena's ``copy_to_slot``) is asked first
     for every ``PickleBuffer`` and may return a slot descriptor to send out
     of band instead; ``commit()`` (the arena's) is called once a message is
-    published, so its slots belong to the readers.  Out-of-band buffers of
+    published, so its slots belong to the readers, and ``abort()`` when
+    sending it failed before anything was published, so they are free.  Out-of-band buffers of
     ``oob_min`` bytes and more travel beside the stream, smaller ones in
     band."""
 
-    def __cinit__(self, to_slot=None, commit=None, Py_ssize_t oob_min=1 << 20):
+    def __cinit__(self, to_slot=None, commit=None, abort=None, Py_ssize_t oob_min=1 << 20):
         self.buf = <char *>malloc(FIRST_CAP)
         if self.buf == NULL:
             raise MemoryError()
@@ -44,6 +45,7 @@ cdef class PickleSink:
         self.size = 0
         self.to_slot = to_slot
         self.commit = commit
+        self.abort = abort
         self.oob_min = oob_min
         self.oob = None
         self.copyreg_table = None
@@ -153,11 +155,19 @@ cdef class PickleSink:
             self.commit()
         return 0
 
+    cdef int aborted(self) except -1:
+        self.oob = None
+        if self.abort is not None:
+            self.abort()
+        return 0
+
     def dump(self, pickler, obj):
         """Pickle ``obj`` and return its frames: ``[stream, oob buffer, ...]``
-        (the stream as ``bytes``)."""
+        (the stream as ``bytes``); the sink keeps nothing of it."""
         self.pickle(pickler, obj)
-        return self.frames()
+        frames = self.frames()
+        self.oob = None
+        return frames
 
     def frames(self):
         """The frames of the message in the buffer: ``[stream, oob...]``."""

@@ -372,23 +372,15 @@ class QueueWriter:
                 if self.n_remote_reader == 0:
                     # Node-local readers only: one call into the ring pickles
                     # the message into the encoder's buffer, frames it into
-                    # the next chunk, publishes it and commits its arena slots.
-                    ring = self.ring
+                    # the next chunk, publishes it and commits its arena
+                    # slots (or, raising, has published nothing and freed
+                    # them); it counts what it sent (see stats()).
                     encoder = self.encoder
-                    published = ring.n_published
-                    try:
-                        framed = ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
-                        if framed <= 0:
-                            framed = self._send_local_slow(obj, framed, timeout)
-                    except BaseException:
-                        encoder.sink.clear()
-                        self._settle_arena(published)
-                        raise
-                    if framed:
-                        stats = self.stats_
-                        stats.ring_messages += 1
-                        stats.ring_bytes += framed
-                    if self._zmq_wakeup and ring.notify_errors and not self._notify_failure_logged:
+                    framed = self.ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
+                    if framed <= 0:
+                        self._send_local_slow(obj, framed, timeout)
+                    if self._zmq_wakeup and not self._notify_failure_logged and \
+                            self.ring.notify_errors:
                         self._log_notify_failure()
                     return
                 arena = self.tensor_arena
@@ -412,12 +404,13 @@ class QueueWriter:
                     # shutdown() ran in a signal handler during this call.
                     self._close_ring()
 
-    def _send_local_slow(self, obj: Any, framed: int, timeout: float | None) -> int:
-        """What ``ring.send_object`` left to do: rebuild a stale pickler, act
-        on a wait status, or send a message too big for a chunk over the
-        overflow socket (returns 0 then)."""
+    def _send_local_slow(self, obj: Any, framed: int, timeout: float | None) -> None:
+        """What ``ring.send_object`` left to do, with nothing published yet:
+        rebuild a stale pickler, act on a wait status, or send a message too
+        big for a chunk over the overflow socket."""
         ring = self.ring
         encoder = self.encoder
+        published = ring.n_published
         try:
             while framed == -PICKLER_STALE:
                 encoder.refresh()
@@ -435,10 +428,12 @@ class QueueWriter:
                 self._send_overflow(encoder.sink.frames(), until)
                 if self._commit_arena is not None:
                     self._commit_arena()
+        except BaseException:
+            self._settle_arena(published)
+            raise
         finally:
             # The message's out-of-band buffers are the caller's memory.
             encoder.sink.clear()
-        return framed
 
     def _settle_arena(self, published: int) -> None:
         """After a failed enqueue(): the slots of a message whose chunk is
@@ -600,6 +595,10 @@ class QueueWriter:
     def stats(self) -> dict:
         out = self.stats_.as_dict()
         ring = self.ring
+        if ring is not None:
+            # The one-call path counts in the ring (RingEnd.send_object).
+            out["ring_messages"] += ring.sent_messages
+            out["ring_bytes"] += ring.sent_bytes
         out["wakeups"] = ring.wakeups if ring is not None else 0
         out["notify_errors"] = ring.notify_errors if ring is not None else 0
         if self.tensor_arena is not None:
