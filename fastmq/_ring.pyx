@@ -113,6 +113,7 @@ cdef enum:
     MARK_BYTES = 16
     RESERVE_STEP = 65536   # pages are reserved in steps of this many bytes
     COPY_STREAM_MAX = 65536  # read_frames copies a pickle stream this small out
+    NOGIL_COPY_MIN = 65536   # copies this large release the GIL
 
 # Wait modes; the Python layer maps names to these.
 WAIT_SPIN = 0
@@ -184,6 +185,19 @@ def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     data_off = _align(meta_off + stride * max_chunks, 4096)
     total = data_off + max_chunk_bytes * max_chunks
     return stride, meta_off, data_off, total
+
+
+cdef inline void _frame(char *c, Py_ssize_t n, const char **ptrs,
+                        Py_ssize_t *lens) noexcept nogil:
+    # Chunk framing (see the module docstring): head, lengths, buffers.
+    cdef Py_ssize_t i, off = FRAME_HEAD + 8 * n
+    c[0] = 0
+    (<uint32_t *>(c + 4))[0] = <uint32_t>n
+    for i in range(n):
+        (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0] = lens[i]
+        off = _align(off, 8)
+        memcpy(c + off, ptrs[i], lens[i])
+        off += lens[i]
 
 
 cdef class RingEnd:
@@ -772,16 +786,13 @@ cdef class RingEnd:
         idx = self.current_idx
         self.reserve_chunk(idx, total)
         c = self.chunk(idx)
-        with nogil:
-            fmq_store_u8_rel(self.meta(idx), 0)
-            c[0] = 0
-            (<uint32_t *>(c + 4))[0] = <uint32_t>n
-            off = FRAME_HEAD + 8 * n
-            for i in range(n):
-                (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0] = lens[i]
-                off = _align(off, 8)
-                memcpy(c + off, ptrs[i], lens[i])
-                off += lens[i]
+        fmq_store_u8_rel(self.meta(idx), 0)
+        if total >= NOGIL_COPY_MIN:
+            with nogil:
+                _frame(c, n, ptrs, lens)
+        else:
+            # Releasing the GIL costs more than copying a small message.
+            _frame(c, n, ptrs, lens)
         self.publish(idx)
         return total
 
@@ -822,7 +833,7 @@ cdef class RingEnd:
             raise
 
     cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout) except -1000:
-        if sink.oob is None:
+        if not sink.holding:
             raise RuntimeError("fastmq: no pickled message in the sink")
         cdef list oob = sink.oob
         cdef Py_ssize_t n = 1 + len(oob), i, got = 1, sent
@@ -951,6 +962,8 @@ cdef class RingEnd:
     cdef object take_frames(self, int idx, char *c):
         cdef uint64_t start0, len0
         cdef list oob = self.take_oob(idx, c, &start0, &len0)
+        if oob is None:
+            oob = []
         cdef object stream
         if len0 <= COPY_STREAM_MAX:
             stream = PyBytes_FromStringAndSize(c + start0, len0)
@@ -986,9 +999,9 @@ cdef class RingEnd:
                 start0[0] = off
                 len0[0] = ln
             off += ln
-        cdef list oob = []
         if n == 1:
-            return oob
+            return None     # the common case: no list to build
+        cdef list oob = []
         cdef object ba
         cdef char *dst
         off = start0[0] + len0[0]
@@ -1002,7 +1015,10 @@ cdef class RingEnd:
                                         "being read" % (idx, i))
             ba = PyByteArray_FromStringAndSize(NULL, ln)
             dst = PyByteArray_AS_STRING(ba)
-            with nogil:
+            if ln >= NOGIL_COPY_MIN:
+                with nogil:
+                    memcpy(dst, c + off, ln)
+            else:
                 memcpy(dst, c + off, ln)
             oob.append(ba)
             off += ln
@@ -1167,7 +1183,7 @@ cdef class RingEnd:
         self.base = NULL
 
 
-def decode_frames(stream, list oob, arena=None):
+def decode_frames(stream, list oob=None, arena=None):
     """The object a message's frames carry: ``stream`` is the pickle stream
     (a view into a ring chunk, or a socket frame) and ``oob`` its
     out-of-band buffers, some of which may be descriptors of ``arena``

@@ -2,8 +2,10 @@ cdef class PickleSink:
     cdef char *buf
     cdef Py_ssize_t size
     cdef Py_ssize_t cap
-    # The out-of-band buffers of the message in the buffer (None: none yet).
+    # The out-of-band buffers of the message in the buffer, and whether
+    # the buffer holds a message not yet sent or let go.
     cdef list oob
+    cdef bint holding
     cdef object to_slot
     cdef object commit
     cdef object abort
@@ -18,5 +20,6 @@ cdef class PickleSink:
     cdef int grow(self, Py_ssize_t need) except -1
     cdef int pickle(self, object pickler, object obj) except -1
     cdef int committed(self) except -1
+    cdef inline int let_go(self) except -1
     cdef int aborted(self) except -1
     cdef bint needs_new_pickler(self) except -1

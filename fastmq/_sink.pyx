@@ -47,7 +47,8 @@ cdef class PickleSink:
         self.commit = commit
         self.abort = abort
         self.oob_min = oob_min
-        self.oob = None
+        self.oob = []
+        self.holding = False
         self.copyreg_table = None
         self.broken = True    # no pickler built yet
 
@@ -94,7 +95,10 @@ cdef class PickleSink:
             n = v.len
             if self.size + n > self.cap:
                 self.grow(self.size + n)
-            with nogil:
+            if n >= 65536:
+                with nogil:
+                    memcpy(self.buf + self.size, v.buf, n)
+            else:
                 memcpy(self.buf + self.size, v.buf, n)
             self.size += n
         finally:
@@ -136,27 +140,35 @@ cdef class PickleSink:
             if self.buf == NULL:
                 raise MemoryError()
         self.size = 0
-        self.oob = []
+        self.let_go()
         try:
             pickler.dump(obj)
         except BaseException:
             self.broken = True
-            self.oob = None
+            self.let_go()
             raise
         finally:
             pickler.clear_memo()
+        self.holding = True
+        return 0
+
+    cdef inline int let_go(self) except -1:
+        # The list is kept from message to message; only its items go.
+        self.holding = False
+        if self.oob:
+            del self.oob[:]
         return 0
 
     cdef int committed(self) except -1:
         # The message is published: its arena slots are the readers', and
         # its out-of-band buffers (the caller's memory) are let go.
-        self.oob = None
+        self.let_go()
         if self.commit is not None:
             self.commit()
         return 0
 
     cdef int aborted(self) except -1:
-        self.oob = None
+        self.let_go()
         if self.abort is not None:
             self.abort()
         return 0
@@ -166,18 +178,18 @@ cdef class PickleSink:
         (the stream as ``bytes``); the sink keeps nothing of it."""
         self.pickle(pickler, obj)
         frames = self.frames()
-        self.oob = None
+        self.let_go()
         return frames
 
     def frames(self):
         """The frames of the message in the buffer: ``[stream, oob...]``."""
-        if self.oob is None:
+        if not self.holding:
             raise RuntimeError("fastmq: no pickled message in the sink")
         return [PyBytes_FromStringAndSize(self.buf, self.size)] + self.oob
 
     def clear(self):
         """Let go of the message's out-of-band buffers (the caller's memory)."""
-        self.oob = None
+        self.let_go()
 
     @property
     def nbytes(self):
