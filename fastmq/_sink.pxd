@@ -6,6 +6,8 @@ cdef class PickleSink:
     # the buffer holds a message not yet sent or let go.
     cdef list oob
     cdef bint holding
+    # The arena was asked for a slot for this message (see committed()).
+    cdef bint arena_asked
     cdef object to_slot
     cdef object commit
     cdef object abort

@@ -119,6 +119,7 @@ cdef class PickleSink:
     def on_buffer(self, buf):
         """The pickler's ``buffer_callback``: False keeps ``buf`` out of band."""
         if self.to_slot is not None:
+            self.arena_asked = True
             desc = self.to_slot(buf)
             if desc is not None:
                 self.oob.append(desc)
@@ -155,15 +156,18 @@ cdef class PickleSink:
     cdef inline int let_go(self) except -1:
         # The list is kept from message to message; only its items go.
         self.holding = False
+        self.arena_asked = False
         if self.oob:
             del self.oob[:]
         return 0
 
     cdef int committed(self) except -1:
         # The message is published: its arena slots are the readers', and
-        # its out-of-band buffers (the caller's memory) are let go.
+        # its out-of-band buffers (the caller's memory) are let go.  A
+        # message whose buffers the arena never saw has nothing to commit.
+        cdef bint asked = self.arena_asked
         self.let_go()
-        if self.commit is not None:
+        if asked and self.commit is not None:
             self.commit()
         return 0
 
