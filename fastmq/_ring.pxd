@@ -50,7 +50,7 @@ cdef class RingEnd:
     # Wakeups the ZMQ notify failed to send, and the last such error.
     cdef readonly uint64_t notify_errors
     cdef readonly object last_notify_error
-    # Message id of the overflow mark that read_frames() last returned None for.
+    # Message id of the overflow mark read_object() last found (pending == OVERFLOW).
     cdef readonly uint64_t overflow_id
     # Messages and framed bytes send_object() / send_pickled() published.
     cdef readonly uint64_t sent_messages
@@ -89,7 +89,6 @@ cdef class RingEnd:
     cdef inline uint64_t *claim_word(self, int rank) noexcept nogil
     cdef inline bint closed_by_writer(self) noexcept
     cdef int writer_state(self) except -1
-    cdef object take_frames(self, int idx, char *c)
     cdef list take_oob(self, int idx, char *c, uint64_t *start0, uint64_t *len0)
     cdef Py_ssize_t frame_and_publish(self, Py_ssize_t n, const char **ptrs,
                                       Py_ssize_t *lens, object timeout,

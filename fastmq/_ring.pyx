@@ -59,7 +59,6 @@ publish, so no wakeup is lost; a busy pipeline (nobody parked) pays no
 syscall.  Parked waiters also wake every PARK_SLICE as a safety net.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
-from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.buffer cimport PyBUF_READ, PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.memoryview cimport PyMemoryView_FromMemory
@@ -112,7 +111,6 @@ cdef enum:
     FRAME_HEAD = 8
     MARK_BYTES = 16
     RESERVE_STEP = 65536   # pages are reserved in steps of this many bytes
-    COPY_STREAM_MAX = 65536  # read_frames copies a pickle stream this small out
     NOGIL_COPY_MIN = 65536   # copies this large release the GIL
 
 # Wait modes; the Python layer maps names to these.
@@ -923,55 +921,6 @@ cdef class RingEnd:
         cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes
         return self.data_view[s:s + self.max_chunk_bytes]
 
-    def read_frames(self, timeout=None):
-        """Wait for this reader's next chunk (as ``wait_next``) and return
-        the frames of its message: ``(stream, oob, held)``.
-
-        ``oob`` are the out-of-band buffers, copied out (a chunk is reused;
-        a tensor over its buffer may live on).  A pickle stream of up to
-        ``COPY_STREAM_MAX`` bytes is copied out too and the chunk is marked
-        read at once (``held == -1``): a copy that small costs less than
-        another call.  A larger ``stream`` is a memoryview inside the chunk,
-        which stays unread until ``release_read(held)``: the caller releases
-        it once it has decoded the stream, also when that fails.
-
-        ``None`` for an overflow mark: ``overflow_id`` names the socket
-        message that carries the payload, and the chunk stays unread until
-        ``release_read(current_idx)``.  An ``int`` is a wait status
-        (``LONG_WAIT``, ``WRITER_CLOSED``, ``WRITER_DIED``): the caller acts
-        on it, goes on with ``continue_wait()`` until ``READY``, and reads
-        again.  Every length is validated before any payload byte is
-        touched; a chunk whose framing is invalid is marked read (the next
-        message arrives intact) and raises ``CorruptChunkError``."""
-        self._check_reader()
-        cdef int status = self.begin_wait(timeout)
-        if status != ST_READY:
-            return status
-        cdef int idx = self.current_idx
-        cdef char *c = self.chunk(idx)
-        cdef uint8_t overflow = (<uint8_t *>c)[0]
-        if overflow == 1:
-            self.overflow_id = (<uint64_t *>(c + 8))[0]
-            return None
-        try:
-            return self.take_frames(idx, c)
-        except CorruptChunkError:
-            self.release_chunk(idx)
-            raise
-
-    cdef object take_frames(self, int idx, char *c):
-        cdef uint64_t start0, len0
-        cdef list oob = self.take_oob(idx, c, &start0, &len0)
-        if oob is None:
-            oob = []
-        cdef object stream
-        if len0 <= COPY_STREAM_MAX:
-            stream = PyBytes_FromStringAndSize(c + start0, len0)
-            self.release_chunk(idx)
-            return stream, oob, -1
-        cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes + start0
-        return self.data_view[s:s + len0], oob, idx
-
     cdef list take_oob(self, int idx, char *c, uint64_t *start0, uint64_t *len0):
         # Validates the chunk's framing, copies the out-of-band buffers out
         # and says where the pickle stream lies in the chunk.
@@ -1060,9 +1009,11 @@ cdef class RingEnd:
             stream = PyMemoryView_FromMemory(c + start0, len0, PyBUF_READ)
             return _decode(stream, oob, arena)
         finally:
-            if stream is not None:
-                stream.release()
-            self.release_chunk(idx)
+            try:
+                if stream is not None:
+                    stream.release()
+            finally:
+                self.release_chunk(idx)
 
     # -- peers (header fields other modules read) --------------------------
     @property
