@@ -15,11 +15,11 @@ from typing import Any, Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastmq import _config, _curve, _handshake, _net, _proc, _sockets, cleanup
+from fastmq import _config, _handshake, _net, _proc, _seal, _sockets, _tcp, cleanup
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
                           WRITER_DIED, CorruptChunkError)
 from fastmq._serde import decode
-from fastmq.handle import Handle, is_fastmq_ring, vllm_ring_error
+from fastmq.handle import Handle, HandleMismatchError, is_fastmq_ring, vllm_ring_error
 from fastmq.ring import ShmRingBuffer, dead_peers_note
 
 logger = logging.getLogger("fastmq")
@@ -316,13 +316,15 @@ class LocalReader(_ReaderEnd):
         return out
 
 
-class RemoteReader(_ReaderEnd):
-    """A reader on another node: one SUB socket over TCP (CURVE when the
-    handle carries keys); messages carry sequence numbers, so a gap is an
-    error rather than a silent loss.  It cannot see the writer's process:
-    a dropped connection (the writer died, or its node went away) is how
-    it learns that no more messages will come."""
+class RemoteReader:
+    """A reader on another node: one TCP connection to the writer
+    (``fastmq._tcp``), authenticated as the handle's security mode says.
+    Messages carry sequence numbers, so a gap is an error rather than a
+    silent loss.  It cannot see the writer's process: the connection
+    closing (the writer died, or its node went away) is how it learns that
+    no more messages will come."""
 
+    is_writer = False
     buffer = ring = tensor_arena = local_socket = None
     local_reader_rank = -1
 
@@ -330,60 +332,41 @@ class RemoteReader(_ReaderEnd):
         self.handle = handle
         self.shutting_down = False
         self.n_local_reader = len(handle.local_reader_ranks)
-        self._remote_seq = 0
-        context = zmq.Context()
-        sockets: list = []
-        try:
-            self.remote_socket = sock = context.socket(zmq.SUB)
-            sockets.append(sock)
-            _handshake.subscribe(sock, _handshake.identity(rank))
-            if handle.remote_addr_ipv6:
-                sock.setsockopt(zmq.IPV6, 1)
-            keys = getattr(handle, "remote_curve_keys", None)
-            if keys is not None:
-                _curve.secure_client(sock, keys)
-            self._watch_connection(sock, sockets)
-            sock.connect(handle.remote_subscribe_addr)
-        except BaseException:
-            _sockets.close_all(context, sockets, [])
-            raise
-        self.zmq = (context, sockets, [])
+        security = getattr(handle, "remote_security", None)
+        if security not in _seal.MODES:
+            raise ValueError(f"fastmq: the handle's remote security mode {security!r} is "
+                             f"not one of {', '.join(_seal.MODES)}")
+        seal = _seal.Seal(security, getattr(handle, "remote_key", None))
+        self.remote_socket = self.stream = _tcp.Stream(
+            handle.remote_subscribe_addr, handle.remote_addr_ipv6, seal, rank)
+        self.zmq = (None, [self.stream], [])
 
     def wait_until_ready(self) -> None:
-        self._receive_handshake(self.remote_socket)
+        try:
+            self.stream.handshake(self)
+        except _tcp.WriterSpeaksZMTP:
+            raise HandleMismatchError(
+                "this remote reader uses fastmq, but the writer at "
+                f"{self.handle.remote_subscribe_addr} is vLLM's own MessageQueue (it speaks "
+                "ZMQ): fastmq is not active in the writer's process. Activate fastmq in "
+                "every process of the deployment or in none.") from None
 
     def shutdown(self) -> None:
         self.shutting_down = True
-
-    def _writer_gone(self, payload_due: bool = False) -> bool:
-        # It cannot see the writer's process: the connection is all it has.
-        return self._connection_dropped()
 
     def _writer_gone_error(self) -> RuntimeError:
         pid = getattr(self.handle, "writer_pid", None)
         return RuntimeError(
             f"fastmq: the connection to the writer{f' (pid {pid})' if pid else ''} at "
-            f"{self.handle.remote_subscribe_addr} dropped: it died or its node is "
-            "unreachable; no more messages will come, and a remote reader cannot "
+            f"{self.handle.remote_subscribe_addr} dropped: it shut down, died or its node "
+            "is unreachable; no more messages will come, and a remote reader cannot "
             "rejoin a running queue")
 
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
-        until = _sockets.deadline(timeout)
-        while True:
-            frames = self._recv_message(self.remote_socket, until)
-            got = _sockets.split_message(frames, "remote reader")
-            if got is not None:
-                break
-            # A message whose sending was interrupted: its enqueue() raised.
-        msg_id, payload = got
-        want = self._remote_seq + 1
-        if msg_id != want:
-            raise RuntimeError(
-                f"fastmq: this remote reader expected message {want} but received "
-                f"{msg_id}: it lost messages while disconnected from the writer, and "
-                "a remote reader cannot rejoin a running queue")
-        self._remote_seq = msg_id
-        main, *oob = payload
+        try:
+            main, *oob = self.stream.recv(_sockets.deadline(timeout), self)
+        except _tcp.PeerGone:
+            raise self._writer_gone_error() from None
         return decode(main, oob, None)
 
     def stats(self) -> dict:

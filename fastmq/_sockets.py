@@ -194,7 +194,8 @@ def close_all(context, sockets, paths) -> None:
         except Exception as e:
             logger.debug("fastmq: closing a queue socket failed: %r", e)
     try:
-        context.term()
+        if context is not None:
+            context.term()
     except Exception as e:
         logger.debug("fastmq: terminating a queue's ZMQ context failed: %r", e)
     segments.remove_now(paths)

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import zmq
 
-from fastmq import _config, _curve, _handshake, _net, _sockets, cleanup, segments
+from fastmq import _config, _handshake, _net, _seal, _sockets, _tcp, cleanup, segments
 from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD,
                           SLOT_FREE, SLOT_LEFT, WAIT_ZMQ)
 from fastmq._serde import Encoder
@@ -60,7 +60,7 @@ class QueueWriter:
     def __init__(self, n_reader: int, n_local_reader: int,
                  local_reader_ranks: list[int] | None, max_chunk_bytes: int, max_chunks: int,
                  connect_ip: str | None, enable_shm_tensor_arena: bool | None, *,
-                 wait_mode: str | None, spin_us: float | None, remote_curve: bool | None,
+                 wait_mode: str | None, spin_us: float | None, remote_security: str | None,
                  arena_options: dict):
         if n_local_reader > n_reader or n_local_reader < 0:
             raise ValueError(f"n_local_reader={n_local_reader} must be in 0..n_reader={n_reader}")
@@ -85,22 +85,18 @@ class QueueWriter:
         # then the close waits for that enqueue() (``_close_pending``).
         self._send_lock = threading.RLock()
         self._close_pending = False
-        self._remote_readers: dict[bytes, tuple[int, int]] = {}   # at the handshake
-        self._remote_subs = _handshake.Subscribers()
         self._overflow_id = 0       # last local overflow send attempt
         self._remote_seq = 0        # last message committed to remote readers
-        self._remote_pending = None  # tracker of a remote message not yet flushed
-        self._remote_broken = None  # why remote readers can no longer be served
         self._notify_failure_logged = False
         self._zmq_wakeup = False     # the ring notifies parked readers on a ZMQ socket
         self.buffer = self.ring = self.tensor_arena = None
-        self.local_socket = self.notify_socket = self.remote_socket = None
+        self.local_socket = self.notify_socket = self.fanout = None
         context = zmq.Context()
         sockets: list = []
         paths: list[str] = []
         local_subscribe_addr = local_notify_addr = remote_subscribe_addr = None
         remote_addr_ipv6 = False
-        curve = None
+        remote_key = security = None
         try:
             if n_local_reader > 0:
                 self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks,
@@ -142,24 +138,15 @@ class QueueWriter:
             if n_remote_reader > 0:
                 if not connect_ip:
                     connect_ip = _net.local_ip()
-                self.remote_socket = sock = context.socket(zmq.XPUB)
-                sockets.append(sock)
-                # VERBOSER: every (un)subscription reaches us, so enqueue()
-                # sees a remote reader that disconnected (and would miss
-                # messages) instead of sending into the void.
-                sock.setsockopt(zmq.XPUB_VERBOSER, True)
-                _sockets.tune_publisher(sock)
-                if _curve.wanted(remote_curve):
-                    curve = _curve.CurveServer(context)
-                    sockets.append(curve)  # stopped with the sockets, before term()
-                    curve.secure(sock)
+                security = _seal.mode(remote_security)
+                remote_key = _seal.new_key() if security != "none" else None
+                seal = _seal.Seal(security, remote_key)
                 if _net.is_ipv6(connect_ip):
-                    sock.setsockopt(zmq.IPV6, 1)
                     remote_addr_ipv6 = True
                     connect_ip = f"[{connect_ip.strip('[]')}]"
-                sock.bind(f"tcp://{connect_ip}:0")
-                endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-                remote_subscribe_addr = f"tcp://{connect_ip}:{endpoint.rsplit(':', 1)[1]}"
+                self.fanout = _tcp.Fanout(connect_ip, remote_addr_ipv6, seal)
+                sockets.append(self.fanout)
+                remote_subscribe_addr = self.fanout.address
         except BaseException:
             _sockets.close_all(context, sockets, paths)
             if self.buffer is not None:
@@ -179,7 +166,8 @@ class QueueWriter:
             remote_addr_ipv6=remote_addr_ipv6,
             tensor_arena_handle=(self.tensor_arena.handle()
                                  if self.tensor_arena is not None else None),
-            remote_curve_keys=tuple(curve.keys) if curve is not None else None,
+            remote_key=remote_key,
+            remote_security=security,
             n_reader=n_reader,
             writer_pid=os.getpid(),
         )
@@ -198,13 +186,8 @@ class QueueWriter:
         local = [(self.local_socket, _handshake.Subscribers())] if self.n_local_reader else []
         if self.notify_socket is not None:
             local.append((self.notify_socket, _handshake.Subscribers()))
-        remote = self.remote_socket if self.n_remote_reader else None
-        poller = zmq.Poller()
-        for sock, _ in local:
-            poller.register(sock, zmq.POLLIN)
+        remote = self.fanout if self.n_remote_reader else None
         remote_done = remote is None
-        if remote is not None:
-            poller.register(remote, zmq.POLLIN)
         local_done = not local
         flushes = []
         start = time.monotonic()
@@ -220,21 +203,9 @@ class QueueWriter:
                     flushes.append(_sockets.send_flush(self.local_socket))
                     local_done = True
             if not remote_done:
-                self._remote_subs.drain(remote)
-                if self._remote_subs.foreign:
-                    raise HandleMismatchError(
-                        "a remote reader of this fastmq queue attached with vLLM's own "
-                        "MessageQueue (it subscribed without a fastmq identity): fastmq "
-                        "is not active in its process. Activate fastmq in every "
-                        "process of the deployment or in none.")
-                # Exactly: a surplus is a reader that died or a stranger whose
-                # leaving has not reached us yet (libzmq takes a few steps to
-                # drop a closed connection); READY goes out once it has.
-                if len(self._remote_subs.present) == self.n_remote_reader:
-                    self._remote_readers = dict(self._remote_subs.present)
-                    remote.send(b"READY")
-                    flushes.append(_sockets.send_flush(remote))
-                    remote_done = True
+                # READY is in the kernel once this says done: it has left
+                # this process, like any remote message.
+                remote_done = remote.handshake_step(self.n_remote_reader)
             if local_done and remote_done:
                 # Like a message: READY has left this process before the
                 # first enqueue() can, so a writer killed right after one
@@ -247,6 +218,11 @@ class QueueWriter:
                 logger.info("fastmq: the writer has waited %.0f s in wait_until_ready() "
                             "for its readers: %s", time.monotonic() - start,
                             self._missing_readers(local, local_done))
+            poller = zmq.Poller()
+            for sock, _ in local:
+                poller.register(sock, zmq.POLLIN)
+            for sock in remote.fds() if remote is not None else ():
+                poller.register(sock, zmq.POLLIN)
             poller.poll(_sockets.RECV_SLICE_MS)
 
     def _local_readers_ready(self, local) -> bool:
@@ -289,9 +265,8 @@ class QueueWriter:
                 pid, state = self.ring.reader_state(rank)
                 if state != SLOT_ALIVE or not local[0][1].has(rank, pid):
                     missing.append(f"local rank {rank}" + (f" (pid {pid})" if pid else ""))
-        if self.n_remote_reader and not self._remote_readers:
-            missing.append(f"remote readers ({len(self._remote_subs.present)} subscribed, "
-                           f"{self.n_remote_reader} expected)")
+        if self.n_remote_reader and not self.fanout.readers:
+            missing.append(self.fanout.missing(self.n_remote_reader))
         return ", ".join(missing) or "none"
 
     def shutdown(self) -> None:
@@ -388,8 +363,7 @@ class QueueWriter:
                 published = ring.n_published if ring is not None else 0
                 try:
                     buffers = self.encoder.encode(obj)
-                    until = _sockets.deadline(timeout)
-                    remote = self._send_with_remote(buffers, timeout, until)
+                    self._send_with_remote(buffers, timeout, _sockets.deadline(timeout))
                 except BaseException:
                     self._settle_arena(published)
                     raise
@@ -397,8 +371,6 @@ class QueueWriter:
                     self._commit_arena()
                 if self._zmq_wakeup and ring.notify_errors and not self._notify_failure_logged:
                     self._log_notify_failure()
-                if remote is not None:
-                    self._flush_remote(remote, until)
             finally:
                 if self._close_pending:
                     # shutdown() ran in a signal handler during this call.
@@ -474,18 +446,20 @@ class QueueWriter:
 
     def _send_with_remote(self, buffers: list, timeout: float | None, until: float | None):
         """Everything that can fail or time out happens before the remote
-        send; the remote send is the commit point, and the ring publish
-        after it neither waits nor fails, nor can a signal handler split
-        the two.  Returns the remote message's tracker."""
+        send's first byte is written: that is the commit point.  The ring
+        publish after it neither waits nor fails, nor can a signal handler
+        split the two; the rest of the message goes out after the publish,
+        so that local readers need not wait for the remote ones."""
         ring = self.ring
+        fanout = self.fanout
         if ring is not None:
             self._wait_turn(timeout)
-        self._check_remote_readers()
-        if self._remote_pending is not None:
-            # Backpressure: the previous remote message must have left.
-            _sockets.wait_flushed(self._remote_pending, until, "the remote readers' socket",
-                                  self)
-            self._remote_pending = None
+        fanout.check_readers()
+        if fanout.has_pending():
+            # Backpressure: the rest of a message that was still going out
+            # at its deadline leaves first.
+            fanout.push(until, self, committing=False)
+            fanout.check_readers()
         overflow = False
         if ring is not None:
             framed = ring.framed_size(buffers)
@@ -497,90 +471,59 @@ class QueueWriter:
             _sockets.send_message(self.local_socket, self._overflow_id, buffers)
             tracker = _sockets.send_flush(self.local_socket)
             _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
-        stats = self.stats_
-        nbytes = _nbytes(buffers)
         seq = self._remote_seq + 1
         published = ring.n_published if ring is not None else 0
+        message = _tcp.Outgoing(fanout.seal, seq, buffers)
+        fanout.begin(message.batches())
+        committed = False
         try:
-            # With a deadline, enqueue() may return before the message has
-            # left this process (see _flush_remote): then the frames must
-            # not be the caller's memory, which it may change after.
-            _sockets.send_message(self.remote_socket, seq, buffers, copy=until is not None)
-        except _sockets.SocketBroken as e:
-            self._remote_broken = str(e)
-            raise
-        # Committed: the remote readers have the message.  The ring must
-        # take it too, whatever happens now: the publish neither waits nor
-        # heeds cancel(), a shutdown() from a signal handler is deferred
-        # (see shutdown), and an exception a signal handler raises between
-        # these lines is raised only once the local readers have it too.
-        try:
+            fanout.push(until, self, until_commit=True)
+            committed = True
+            # Committed: the remote readers are getting the message.  The
+            # ring must take it too, whatever happens now: the publish
+            # neither waits nor heeds cancel(), a shutdown() from a signal
+            # handler is deferred (see shutdown), and an exception a signal
+            # handler raises from here on is raised only once the local
+            # readers have it too.
             self._remote_seq = seq
             if ring is not None:
                 self._publish_committed(buffers, overflow)
-            tracker = self._remote_pending = _sockets.send_flush(self.remote_socket)
+            if not fanout.push(until):
+                # Past the deadline: the rest goes out from a copy, first
+                # thing in the next enqueue() (see the README's limits).
+                fanout.keep_rest()
         except BaseException as e:
-            # The next remote message's flush covers this one.
+            if not (committed or fanout.written_any):
+                fanout.discard()
+                raise
             self._remote_seq = seq
             if ring is not None and ring.n_published == published:
                 self._publish_committed(buffers, overflow)
+            fanout.keep_rest()
             e.add_note("fastmq: the message was committed before this exception and is "
-                       "delivered to every reader")
+                       "delivered to every reader (the rest of it to remote readers by "
+                       "this queue's next enqueue())")
             raise
+        stats = self.stats_
         if ring is not None:
             if overflow:
                 stats.overflow_messages += 1
-                stats.overflow_bytes += nbytes
+                stats.overflow_bytes += _nbytes(buffers)
             else:
                 stats.ring_messages += 1
                 stats.ring_bytes += ring.framed_size(buffers)
         stats.remote_messages += 1
-        stats.remote_bytes += nbytes
-        return tracker
+        stats.remote_bytes += message.nbytes
+        if fanout.broken is not None:
+            # A reader's connection broke during this message: every other
+            # reader has it, that one cannot.
+            raise RuntimeError(f"fastmq: {fanout.broken}")
 
     def _publish_committed(self, buffers: list, overflow: bool) -> None:
         if overflow:
             self.ring.send_overflow_mark(self._overflow_id)
         else:
             self.ring.send(buffers, None, True)
-
-    def _flush_remote(self, tracker, until: float | None) -> None:
-        """Wait until the committed remote message has left this process.
-
-        It is committed (readers may have it already), so neither
-        ``shutdown()`` nor a dead local reader ends this wait: with no
-        deadline, enqueue() returns only once the message is out.  Past a
-        deadline it stays queued (sent from a copy) and the next enqueue()
-        waits for it first."""
-        try:
-            _sockets.wait_flushed(tracker, until, "the remote readers' socket", None)
-        except TimeoutError:
-            return
-        self._remote_pending = None
-
-    def _check_remote_readers(self) -> None:
-        """Raise if a remote reader disconnected since the handshake: the
-        messages it missed cannot be replayed, so sending on would drop
-        them for it silently.  Anyone else who subscribes or leaves (not a
-        reader of this queue) changes nothing."""
-        sock = self.remote_socket
-        if self._remote_broken is None and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            for subscribed, who in self._remote_subs.drain(sock):
-                if who not in self._remote_readers:
-                    if subscribed:
-                        logger.warning("fastmq: a remote reader subscribed to the queue "
-                                       "after the handshake; it is not one of the queue's "
-                                       "readers and receives nothing")
-                elif not subscribed:
-                    rank, pid = self._remote_readers[who]
-                    self._remote_broken = (
-                        f"remote reader rank {rank} (pid {pid} on its node) disconnected "
-                        "from the writer after the handshake: it died or its node is "
-                        "unreachable; messages sent since would not reach it, and a "
-                        "remote reader cannot rejoin a running queue")
-                    break
-        if self._remote_broken is not None:
-            raise RuntimeError(f"fastmq: {self._remote_broken}")
 
     def empty_tensor(self, shape, dtype=None):
         arena = self.tensor_arena

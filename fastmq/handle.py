@@ -43,10 +43,11 @@ class Handle:
     remote_subscribe_addr: str | None = None
     remote_addr_ipv6: bool = False
     tensor_arena_handle: tuple | None = None
-    # fastmq only: (server public, client public, client secret) z85 keys
-    # when the remote path uses CURVE (see fastmq._curve); kept out of repr
-    # so that logging the handle does not print the secret.
-    remote_curve_keys: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
+    # fastmq only: the remote path's security mode and secret key (see
+    # fastmq._seal); the key is kept out of repr so that logging the handle
+    # does not print it.
+    remote_security: str | None = None
+    remote_key: bytes | None = field(default=None, repr=False)
     # fastmq only: how many readers in all, local and remote.
     n_reader: int | None = None
     # fastmq only: the writer's pid, so that a remote reader (which cannot

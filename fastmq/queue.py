@@ -53,9 +53,11 @@ class MessageQueue:
     keyword arguments: ``wait_mode`` (``"futex"``, ``"zmq"`` or ``"spin"``;
     default ``FASTMQ_WAIT`` or futex) and ``spin_us`` (how long readers spin
     before parking; default ``FASTMQ_SPIN_US`` or 2000).  Readers adopt the
-    writer's wait mode and spin budget.  ``remote_curve`` (default
-    ``FASTMQ_CURVE`` or on) encrypts and authenticates the remote TCP path
-    with ZMQ CURVE; the keys travel in the handle (see ``fastmq._curve``).
+    writer's wait mode and spin budget.  ``remote_security``
+    (default ``FASTMQ_REMOTE_SECURITY`` or ``"mac"``) protects the remote
+    TCP path: ``"mac"`` authenticates the writer, the readers and every
+    message, ``"encrypt"`` encrypts them too, ``"none"`` is plain TCP;
+    the key travels in the handle (see ``fastmq._seal``).
     ``enable_shm_tensor_arena`` defaults to ``None``: the tensor arena is on
     for local-only queues unless ``FASTMQ_ARENA=0``; ``arena_slots``,
     ``arena_slot_mb``, ``arena_min_mb``, ``arena_prefault`` and
@@ -76,13 +78,13 @@ class MessageQueue:
         *,
         wait_mode: str | None = None,
         spin_us: float | None = None,
-        remote_curve: bool | None = None,
+        remote_security: str | None = None,
         **arena_options: Any,
     ):
         self._start(QueueWriter(
             n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks,
             connect_ip, enable_shm_tensor_arena, wait_mode=wait_mode, spin_us=spin_us,
-            remote_curve=remote_curve, arena_options=arena_options))
+            remote_security=remote_security, arena_options=arena_options))
         logger.debug("fastmq message queue handle: %s", self.handle)
 
     @staticmethod

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from fastmq.bench import config, harness, report, verify
+from fastmq.bench import config, harness, impls, report, verify
 from fastmq.bench.impls import vllm_counterpart
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,10 +33,10 @@ HAVE_VLLM = _have("vllm.distributed.device_communicators.shm_broadcast")
 HAVE_MPL = _have("matplotlib")
 
 
-def _have_curve() -> bool:
-    import zmq
-
-    return bool(zmq.has("curve"))
+def _runs_here(*names: str) -> set[str]:
+    """Those of fastmq's rows that this fastmq can build (a security
+    keyword its remote path does not take leaves a row out, with a note)."""
+    return {n for n in names if impls.availability(impls.IMPLS[n])[0]}
 
 
 def bench(*args: str, timeout: float = 240, pythonpath: str | None = None
@@ -68,7 +68,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
     proc, paths = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(paths["json"].read_text())
-    assert data["schema"] == "fastmq-bench/2"
+    assert data["schema"] == report.SCHEMA
     assert data["command"].startswith("python -m fastmq.bench --no-progress --quick --json ")
     m = data["machine"]
     for key in ("cpu_model", "logical_cpus", "usable_cpus", "kernel", "python"):
@@ -81,10 +81,13 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
 
     recs = data["records"]
     assert all("samples_ns" not in r for r in recs)  # only with --raw
-    remote = {"fastmq-remote"} | ({"fastmq-remote+curve"} if _have_curve() else set())
+    # Every remote row of both shapes; the default security always runs.
+    remote = {"fastmq-remote", "fastmq-remote-both"} | _runs_here(
+        "fastmq-remote+encrypt", "fastmq-remote+plain")
     expected = {
         "step": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq", "floor",
-                 "floor+pickle", "floor-memcpy"} | remote,
+                 "floor+pickle", "floor-memcpy"} | remote | _runs_here(
+                     "fastmq-remote-both+encrypt", "fastmq-remote-both+plain"),
         "throughput": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq"},
         "tensor": {"fastmq-futex+arena", "fastmq-futex", "pyzmq", "floor"} | remote,
         "wake": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq", "floor-futex",
@@ -94,13 +97,17 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
         assert data["versions"]["vllm"]
         for s in ("step", "throughput", "wake"):
             expected[s] |= {"vllm"}
-        expected["step"] |= {"vllm-remote"}
-        expected["tensor"] |= {"vllm", "vllm+arena", "vllm-remote"}
+        expected["step"] |= {"vllm-remote", "vllm-remote-both"}
+        expected["tensor"] |= {"vllm", "vllm+arena", "vllm-remote", "vllm-remote-both"}
     else:  # said so, not silently dropped
         assert any("vllm" in n and "not measured" in n for n in data["notes"])
-    for s, impls in expected.items():
+    for name in ("fastmq-remote+encrypt", "fastmq-remote+plain", "fastmq-remote-both+encrypt",
+                 "fastmq-remote-both+plain"):
+        if not _runs_here(name):  # said so, with the reason
+            assert any(n.startswith(f"{name} not measured: ") for n in data["notes"]), name
+    for s, names in expected.items():
         got = {r["impl"] for r in recs if r["scenario"] == s}
-        assert got == impls, (s, got)
+        assert got == names, (s, got)
 
     p = config.preset("quick")
     for r in recs:
@@ -139,9 +146,11 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
         for scenario, mine, theirs, sz in (
                 ("step", "fastmq-futex", "vllm", config.KiB),
                 ("step", "fastmq-remote", "vllm-remote", config.KiB),
+                ("step", "fastmq-remote-both", "vllm-remote-both", config.KiB),
                 ("tensor", "fastmq-futex", "vllm", size),
                 ("tensor", "fastmq-futex+arena", "vllm+arena", size),
-                ("tensor", "fastmq-remote", "vllm-remote", size)):
+                ("tensor", "fastmq-remote", "vllm-remote", size),
+                ("tensor", "fastmq-remote-both", "vllm-remote-both", size)):
             f, v = by[(scenario, mine, sz)], by[(scenario, theirs, sz)]
             assert f["vs_vllm"] == pytest.approx(v["p50"] / f["p50"]), (scenario, mine)
             assert v["vs_vllm"] is None  # vLLM is the reference, not compared with itself
@@ -198,6 +207,42 @@ def test_quick_writes_results_md_with_command_line_and_plots(quick_run):
     else:
         assert not paths["plots"].exists()
         assert any("matplotlib is not installed" in n for n in data["notes"])
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not importable")
+def test_remote_both_ways_runs_fastmq_and_vllm_with_several_readers(tmp_path):
+    # vLLM's multi-node executor shape: each reader answers on a queue the
+    # writer reads remotely (create_from_handle(handle, -1)), for both
+    # queues in one run; every row against vLLM's of the same shape.
+    out = tmp_path / "out.json"
+    proc = bench("--quick", "--scenario", "step", "--impl",
+                 "fastmq-remote-both,fastmq-remote-both+plain,vllm-remote-both",
+                 "--readers", "2", "--sizes", "1K", "--timeout", "20", "--json", str(out),
+                 timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    got = {r["impl"]: r for r in data["records"]}
+    assert set(got) == {"fastmq-remote-both", "vllm-remote-both"} | _runs_here(
+        "fastmq-remote-both+plain")
+    for name, r in got.items():
+        assert r["n_readers"] == 2 and r["samples"] > 0, name
+        if name != "vllm-remote-both":
+            assert r["vs_vllm"] == pytest.approx(got["vllm-remote-both"]["p50"] / r["p50"])
+
+
+def test_a_security_keyword_this_fastmq_lacks_leaves_its_row_out():
+    # The row is reported as not measured, with the reason; nothing crashes.
+    odd = impls.Impl("fastmq-remote+odd", "fastmq", "test", wait_mode="futex", arena=False,
+                     remote="readers", remote_kwargs={"remote_no_such_setting": "x"})
+    ok, why = impls.availability(odd)
+    assert not ok
+    assert "takes no remote_no_such_setting= keyword" in why, why
+    # The rows' keywords are the new transport's: default security passes none.
+    assert impls.IMPLS["fastmq-remote"].remote_kwargs == {}
+    assert impls.IMPLS["fastmq-remote-both+encrypt"].remote_kwargs == {
+        "remote_security": "encrypt"}
+    assert impls.IMPLS["fastmq-remote+plain"].remote_kwargs == {"remote_security": "none"}
+    assert impls.availability(impls.IMPLS["fastmq-remote-both"]) == (True, "")
 
 
 def test_pyzmq_baseline_handshakes_with_several_readers(tmp_path):
@@ -261,8 +306,10 @@ def test_list_names_every_implementation(capsys):
     start = next(i for i, ln in enumerate(out) if ln.startswith("implementations"))
     lines = {ln.split()[0]: ln for ln in out[start + 1:]}
     assert set(lines) == {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "fastmq-futex+arena",
-                          "fastmq-remote", "fastmq-remote+curve", "vllm", "vllm+arena",
-                          "vllm-remote", "pyzmq", "floor", "floor-futex", "floor-pipe"}
+                          "fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain",
+                          "fastmq-remote-both", "fastmq-remote-both+encrypt",
+                          "fastmq-remote-both+plain", "vllm", "vllm+arena", "vllm-remote",
+                          "vllm-remote-both", "pyzmq", "floor", "floor-futex", "floor-pipe"}
     assert lines["fastmq-zmq"].endswith("; step, wake; yes")
     assert lines["pyzmq"].endswith("; step, wake; yes")
     assert lines["vllm"].endswith("; not selected; not checked")
@@ -339,7 +386,10 @@ def test_ratios_compare_like_with_like_in_one_convention():
     recs = [_rec("step", "vllm", 80.0), _rec("step", "fastmq-futex", 8.0),
             _rec("step", "floor", 2.0), _rec("step", "floor+pickle", 4.0),
             _rec("step", "vllm-remote", 300.0),
-            _rec("step", "fastmq-remote", 150.0),
+            _rec("step", "fastmq-remote", 150.0), _rec("step", "fastmq-remote+plain", 100.0),
+            _rec("step", "vllm-remote-both", 400.0), _rec("step", "fastmq-remote-both", 800.0),
+            _rec("tensor", "vllm-remote-both", 90.0, mib, 4),
+            _rec("tensor", "fastmq-remote-both", 60.0, mib, 4),
             _rec("tensor", "vllm", 150.0, mib, 4), _rec("tensor", "vllm+arena", 120.0, mib, 4),
             _rec("tensor", "fastmq-futex+arena", 30.0, mib, 4),
             _rec("tensor", "fastmq-futex", 300.0, mib, 4),
@@ -357,6 +407,9 @@ def test_ratios_compare_like_with_like_in_one_convention():
     assert by[("step", "fastmq-futex")]["vs_floor"] == pytest.approx(0.5)
     assert by[("step", "fastmq-remote")]["vs_floor"] == pytest.approx(4 / 150)
     assert by[("step", "fastmq-remote")]["vs_vllm"] == pytest.approx(2.0)   # remote vs remote
+    assert by[("step", "fastmq-remote+plain")]["vs_vllm"] == pytest.approx(3.0)
+    # remote both ways against vLLM remote both ways, a loss shown as one
+    assert by[("step", "fastmq-remote-both")]["vs_vllm"] == pytest.approx(0.5)
     assert by[("tensor", "fastmq-futex+arena")]["vs_vllm"] == pytest.approx(4.0)  # arena
     assert by[("tensor", "fastmq-futex")]["vs_vllm"] == pytest.approx(0.5)  # off vs off
     assert by[("tensor", "fastmq-futex")]["vs_floor"] == pytest.approx(25 / 300)
@@ -374,6 +427,18 @@ def test_ratios_compare_like_with_like_in_one_convention():
     headers, rows = report.tensor_matrix(recs)
     assert ["arena", "64 MiB", "120 / 30.0 = 4.00x"] in rows
     assert ["arena off", "64 MiB", "150 / 300 = 0.500x"] in rows
+    assert ["remote both ways", "64 MiB", "90.0 / 60.0 = 1.50x"] in rows
+    # The summary: each remote row against vLLM's of its shape, and what the
+    # default security costs against +plain (100 us / 150 us).
+    rows = {r[0]: r[1:] for r in report.headline(recs)}
+    assert rows["step round trip, remote readers (TCP), +plain, 1 KiB, N=1, p50"] == [
+        "100 us (fastmq-remote+plain)", "300 us (vllm-remote)", "3.00x"]
+    assert rows["step round trip, remote both ways (vLLM's multi-node executor shape), "
+                "1 KiB, N=1, p50"] == ["800 us (fastmq-remote-both)",
+                                       "400 us (vllm-remote-both)", "0.500x"]
+    assert rows["security cost: fastmq-remote against fastmq-remote+plain, step round trip, "
+                "1 KiB, N=1, p50"] == ["150 us (fastmq-remote)",
+                                       "100 us (fastmq-remote+plain)", "0.667x"]
 
 
 def test_repeated_runs_merge_to_the_median_with_spread():
@@ -453,6 +518,32 @@ def test_a_json_file_from_an_older_run_renders_under_todays_rules(tmp_path):
     # fastmq's arena is compared with vLLM's arena now, not with vLLM without one.
     assert "| arena | 128 MiB | 40.0 / 20.0 = 2.00x |" in text
     assert "One run: figures are not medians of repeated runs." in text
+
+
+def test_a_json_file_from_before_the_security_settings_renders(tmp_path):
+    # Its fastmq-remote ran with CURVE off: shown as +plain, its +curve row
+    # under its own name, both against vLLM's remote row; nothing crashes.
+    kw = dict(warmup=1, samples=10, min=1.0, max=1.0, p90=1.0, p99=1.0, mean=1.0, runs=1)
+    old = {**_result([_rec("step", "vllm-remote", 80.0, **kw),
+                      _rec("step", "fastmq-remote", 160.0, **kw),
+                      _rec("step", "fastmq-remote+curve", 200.0, **kw)]),
+           "schema": "fastmq-bench/2",
+           "implementations": {"fastmq-remote": {"available": True, "reason": "",
+                                                 "description": "CURVE off"}}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    result = report.load_results(str(path))
+    by = {r["impl"]: r for r in result["records"]}
+    assert set(by) == {"vllm-remote", "fastmq-remote+plain", "fastmq-remote+curve"}
+    assert by["fastmq-remote+plain"]["vs_vllm"] == pytest.approx(0.5)
+    assert by["fastmq-remote+curve"]["vs_vllm"] == pytest.approx(0.4)
+    assert set(result["implementations"]) == {"fastmq-remote+plain"}
+    block = report.readme_block(result)
+    assert "(fastmq-remote+plain) | 80.0 us (vllm-remote) | 0.500x |" in block
+    assert "security cost" not in block  # no default-security row in that run
+    text = report.terminal(result, tables=True)
+    assert "fastmq-remote+curve (a run before the security settings above)" in text
+    assert arithmetic_errors(block) == []
 
 
 def test_update_readme_replaces_only_the_block(tmp_path):

@@ -13,11 +13,9 @@ and a reader end (one per reader process):
 Families:
 
 * ``fastmq``: ``fastmq.MessageQueue`` with a given wait mode and the tensor
-  arena on or off; answers on a ``MessageQueue(1, 1)`` per reader.  The
-  ``-remote`` variants make every reader a remote reader (TCP over
-  loopback, ``n_local_reader=0``), with CURVE off or on.
-* ``vllm``: vLLM 0.33.0's ``MessageQueue`` (arena on or off, or every
-  reader remote), when importable.
+  arena on or off; answers on a ``MessageQueue(1, 1)`` per reader.
+* ``vllm``: vLLM 0.33.0's ``MessageQueue`` (arena on or off), when
+  importable.
 * ``pyzmq``: plain pyzmq, the fastest it goes without a shared-memory ring:
   PUB/SUB for the broadcast (the same pickle-5 frames as the queues, large
   buffers as separate zero-copy frames), PUSH/PULL for the answers, over
@@ -26,6 +24,23 @@ Families:
   shared segment that readers view in place, signalled by a small fastmq
   message (one copy plus the readers' reads).  The step floor and the two
   wake floors (C futex, Python pipe) are in floors.py.
+
+Remote variants of both (TCP over loopback, this machine's cores doing
+both ends), in two shapes (``Impl.remote``):
+
+* ``-remote``: every reader of the broadcast is remote
+  (``n_local_reader=0``); each answers on a local 1:1 queue.
+* ``-remote-both``: remote both ways, the shape of vLLM's multi-node
+  executor: the broadcast's readers are remote, and each reader answers on
+  a ``MessageQueue(1, 0, connect_ip=...)`` of its own that the writer
+  attaches as a remote reader (``create_from_handle(handle, -1)``).
+
+fastmq's remote rows differ in the security of the TCP path, set by
+``Impl.remote_kwargs`` (constructor keywords of every remote queue of the
+row): none for the default (a keyed MAC authenticates every message),
+``remote_security="encrypt"`` (``+encrypt``: AES-GCM) and
+``remote_security="none"`` (``+plain``: plain, unauthenticated TCP, what the
+default's cost is measured against).  vLLM's remote path is plain TCP.
 
 ``broken-drop`` / ``broken-corrupt`` are fastmq with a deliberate fault
 (selected only by the hidden ``--broken`` option): the run must fail.
@@ -38,7 +53,7 @@ import os
 import pickle
 import secrets
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Message (1-based, counting from the first one sent) that a broken
 # implementation loses or corrupts: early, inside the warm-up, so the run
@@ -54,8 +69,11 @@ class Impl:
     wait_mode: str | None = None
     arena: bool | None = None
     broken: str | None = None   # drop | corrupt (test-only)
-    remote: bool = False        # every reader attaches over TCP (loopback)
-    curve: bool = False         # remote path with CURVE (fastmq only)
+    # "": local; "readers": every reader of the broadcast attaches over TCP
+    # (loopback); "both": the answer queues' reader (the writer) too.
+    remote: str = ""
+    # Keywords for every remote queue of this row (fastmq's security).
+    remote_kwargs: dict = field(default_factory=dict)
     needs_torch: bool = False
 
     # -- properties used by the scenarios -----------------------------------
@@ -79,10 +97,7 @@ class Impl:
     def make_writer(self, n_readers: int, capacity: int = 0):
         if self.family == "fastmq":
             cls = _BrokenWriter if self.broken else _QueueWriter
-            kw = self._fastmq_kwargs(self.arena)
-            if self.remote:
-                kw["remote_curve"] = self.curve
-            return cls(self, _fastmq_mq(), n_readers, kw)
+            return cls(self, _fastmq_mq(), n_readers, self._fastmq_kwargs(self.arena))
         if self.family == "vllm":
             kw = {} if self.remote else {"enable_shm_tensor_arena": bool(self.arena)}
             return _QueueWriter(self, _vllm_mq(), n_readers, kw)
@@ -94,9 +109,9 @@ class Impl:
 
     def open_reader(self, spec, rank: int):
         if self.family == "fastmq":
-            return _QueueReader(_fastmq_mq(), spec, rank, self._fastmq_kwargs(False))
+            return _QueueReader(self, _fastmq_mq(), spec, rank, self._fastmq_kwargs(False))
         if self.family == "vllm":
-            return _QueueReader(_vllm_mq(), spec, rank, {})
+            return _QueueReader(self, _vllm_mq(), spec, rank, {})
         if self.family == "pyzmq":
             return _ZmqReader(spec, rank)
         if self.family == "floor":
@@ -130,6 +145,27 @@ def _vllm_mq():
 
 REMOTE_IP = "127.0.0.1"
 
+_SHAPES = {"readers": ("-remote", "every reader remote (TCP over loopback)"),
+           "both": ("-remote-both", "remote both ways (TCP over loopback): every reader "
+                    "remote, and so is each answer queue's reader (vLLM's multi-node "
+                    "executor)")}
+_SECURITY = (("", {}, "default security: a keyed MAC on every message"),
+             ("+encrypt", {"remote_security": "encrypt"}, "AES-GCM encryption"),
+             ("+plain", {"remote_security": "none"}, "plain TCP, unauthenticated"))
+
+
+def _remote_impls() -> list[Impl]:
+    out = []
+    for shape, (suffix, what) in _SHAPES.items():
+        for tag, kwargs, security in _SECURITY:
+            out.append(Impl(f"fastmq{suffix}{tag}", "fastmq", f"fastmq, {what}; {security}",
+                            wait_mode="futex", arena=False, remote=shape,
+                            remote_kwargs=kwargs))
+        out.append(Impl(f"vllm{suffix}", "vllm", f"vLLM 0.33.0 MessageQueue, {what}",
+                        arena=False, remote=shape))
+    return out
+
+
 # The registry: what each name means.  Scenarios pick from it.
 IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("fastmq-futex", "fastmq", "fastmq, readers spin briefly then park on a futex",
@@ -140,16 +176,11 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          wait_mode="spin", arena=False),
     Impl("fastmq-futex+arena", "fastmq", "fastmq (futex) with the shared-memory tensor arena",
          wait_mode="futex", arena=True),
-    Impl("fastmq-remote", "fastmq", "fastmq, every reader remote (TCP over loopback), "
-         "CURVE off", wait_mode="futex", arena=False, remote=True, curve=False),
-    Impl("fastmq-remote+curve", "fastmq", "fastmq, every reader remote (TCP over loopback), "
-         "CURVE on", wait_mode="futex", arena=False, remote=True, curve=True),
     Impl("vllm", "vllm", "vLLM 0.33.0 MessageQueue (its default: no tensor arena)",
          arena=False),
     Impl("vllm+arena", "vllm", "vLLM 0.33.0 MessageQueue with enable_shm_tensor_arena=True",
          arena=True),
-    Impl("vllm-remote", "vllm", "vLLM 0.33.0 MessageQueue, every reader remote (TCP over "
-         "loopback)", arena=False, remote=True),
+    *_remote_impls(),
     Impl("pyzmq", "pyzmq", "plain pyzmq: PUB/SUB broadcast, PUSH/PULL answers, ipc, "
          "blocking recv"),
     Impl("floor", "floor", "floor: bare shared memory, no queue (see the notes)"),
@@ -160,16 +191,19 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
 ]}
 
 # Which vLLM row each row is compared with: like with like (arena with
-# arena, arena off with arena off, remote with remote).
+# arena, arena off with arena off, remote with remote of the same shape,
+# whatever fastmq's security).
 VLLM_COUNTERPART = {
     "fastmq-futex+arena": "vllm+arena", "vllm+arena": "vllm+arena",
-    "fastmq-remote": "vllm-remote", "fastmq-remote+curve": "vllm-remote",
-    "vllm-remote": "vllm-remote",
+    **{i.name: "vllm" + _SHAPES[i.remote][0] for i in IMPLS.values() if i.remote},
+    # The name of the CURVE row in files written before the security settings.
+    "fastmq-remote+curve": "vllm-remote",
 }
 
 
 def vllm_counterpart(name: str) -> str:
     return VLLM_COUNTERPART.get(name, "vllm")
+
 
 BROKEN = {
     "drop": Impl("broken-drop", "fastmq", "TEST ONLY: fastmq that loses a message",
@@ -198,16 +232,37 @@ def availability(impl: Impl) -> tuple[bool, str]:
 
         if not have_futex():
             return False, "no futex support on this system"
-    if impl.remote and impl.curve:
-        import zmq
-
-        if not zmq.has("curve"):
-            return False, "this libzmq has no CURVE support"
+    if impl.family == "fastmq" and impl.remote:
+        ok, why = _remote_ok(impl.remote_kwargs)
+        if not ok:
+            return False, why
     if impl.wait_mode == "futex" and not impl.remote:
         from fastmq._ring import have_futex
 
         if not have_futex():
             return False, "no futex support on this system"
+    return True, ""
+
+
+def _remote_ok(kwargs: dict) -> tuple[bool, str]:
+    """Whether this fastmq makes a remote queue with the keywords
+    ``kwargs`` here (a fastmq whose remote path predates a keyword has no
+    row that needs it)."""
+    try:
+        q = _fastmq_mq()(1, 0, connect_ip=REMOTE_IP, **kwargs)
+    except Exception as e:
+        # Its constructor takes the arena's options as keywords: an unknown
+        # keyword is a TypeError when the queue is made, not a signature.
+        unknown = [k for k in kwargs if isinstance(e, TypeError) and k in str(e)]
+        if unknown:
+            return False, (f"this fastmq's MessageQueue takes no {'=, '.join(unknown)}= "
+                           f"keyword: its remote path has no such setting ({e})")
+        args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
+        return False, (f"MessageQueue(1, 0, connect_ip={REMOTE_IP!r}{args}) fails here: "
+                       f"{type(e).__name__}: {e}")
+    q.shutdown()
+    del q
+    gc.collect()
     return True, ""
 
 
@@ -221,7 +276,8 @@ class _QueueWriter:
         if impl.remote:
             # Every reader remote, over loopback: the TCP path a reader on
             # another node takes, with this machine's CPUs doing both ends.
-            self._mq = mq_cls(n_readers, 0, connect_ip=REMOTE_IP, **kwargs)
+            self._mq = mq_cls(n_readers, 0, connect_ip=REMOTE_IP, **kwargs,
+                              **impl.remote_kwargs)
         else:
             self._mq = mq_cls(n_readers, n_readers, **kwargs)
         self.spec = self._mq.export_handle()
@@ -232,7 +288,10 @@ class _QueueWriter:
 
     def attach_acks(self, specs: list) -> None:
         self._ack_specs = list(specs)
-        self._acks = [self._cls.create_from_handle(h, 0) for h in specs]
+        # Remote both ways: the writer reads each answer queue as a remote
+        # reader, the way vLLM's executor attaches to a remote worker's.
+        rank = -1 if self.impl.remote == "both" else 0
+        self._acks = [self._cls.create_from_handle(h, rank) for h in specs]
 
     def ready(self) -> None:
         self._mq.wait_until_ready()
@@ -269,9 +328,15 @@ class _QueueWriter:
 
 
 class _QueueReader:
-    def __init__(self, mq_cls, spec, rank: int, ack_kwargs: dict):
+    def __init__(self, impl: Impl, mq_cls, spec, rank: int, ack_kwargs: dict):
         self._mq = mq_cls.create_from_handle(spec, rank)
-        self._resp = mq_cls(1, 1, **ack_kwargs)
+        if impl.remote == "both":
+            # A remote worker's answer queue: its one reader (the writer
+            # here) is on another node.
+            self._resp = mq_cls(1, 0, connect_ip=REMOTE_IP, **ack_kwargs,
+                                **impl.remote_kwargs)
+        else:
+            self._resp = mq_cls(1, 1, **ack_kwargs)
         self.ack_spec = self._resp.export_handle()
 
     def ready(self) -> None:
@@ -535,7 +600,7 @@ class _FloorReader:
 
         q_spec, name = spec
         self._seg = Segment.attach(name)
-        self._q = _QueueReader(_fastmq_mq(), q_spec, rank,
+        self._q = _QueueReader(IMPLS["floor"], _fastmq_mq(), q_spec, rank,
                                {"wait_mode": "futex", "enable_shm_tensor_arena": False})
         self.ack_spec = self._q.ack_spec
 

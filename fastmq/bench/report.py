@@ -10,7 +10,8 @@ divided by this row's time (for rates: this row's rate divided by the
 reference's), so above 1x this row is faster than the reference.  The
 reference for "vs vLLM" is vLLM in the same configuration (``impls.
 VLLM_COUNTERPART``: arena with arena, arena off with arena off, remote with
-remote); for "vs floor" it is the scenario's floor from the same run.
+remote of the same shape); for "vs floor" it is the scenario's floor from
+the same run.
 """
 from __future__ import annotations
 
@@ -26,11 +27,18 @@ from fastmq.bench.impls import vllm_counterpart
 RATIO_RULE = ("ratio = the reference's time / this row's time (for rates: this row's rate / "
               "the reference's rate): above 1x this row is faster than the reference")
 
-ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "fastmq-remote",
-                  "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor+pickle", "floor"),
+# fastmq's remote rows of one shape, then vLLM's ("+curve": a row of files
+# written before the remote path's security settings).
+_REMOTE = ("fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain",
+           "fastmq-remote+curve", "vllm-remote",
+           "fastmq-remote-both", "fastmq-remote-both+encrypt", "fastmq-remote-both+plain",
+           "vllm-remote-both")
+
+ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", *_REMOTE, "pyzmq",
+                  "floor+pickle", "floor"),
          "throughput": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq"),
-         "tensor": ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm",
-                    "fastmq-remote", "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor"),
+         "tensor": ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm", *_REMOTE,
+                    "pyzmq", "floor"),
          "wake": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor-pipe",
                   "floor-futex"),
          "executor": ("fastmq-futex", "vllm"),
@@ -342,16 +350,13 @@ def _section_notes(records, rs, scenario) -> list[str]:
             notes.append("floor+pickle, the step's floor (vs floor): floor plus pickle.dumps "
                          "and pickle.loads of the same message and of one answer, timed in "
                          "the same run; vs floor = floor+pickle p50 / this p50.")
-        if any(r["impl"].endswith("-remote") or "-remote+" in r["impl"] for r in rs):
-            notes.append("-remote: every reader attaches as a remote reader (TCP over "
-                         "loopback, on this machine's cores); +curve: with CURVE encryption "
-                         "and authentication.")
+        notes += _remote_notes(rs)
     if scenario == "tensor":
         notes.append("paths: +arena = the tensor arena (one copy into shared memory, readers "
                      "map it); fastmq-futex / vllm without it: the ring for a message that "
                      "fits a ring chunk (24 MiB by default), the overflow path above (the "
-                     "chunk marks the message, the payload goes over the ipc socket); "
-                     "-remote = TCP over loopback, +curve with CURVE.")
+                     "chunk marks the message, the payload goes over the ipc socket).")
+        notes += _remote_notes(rs)
         if any(r["impl"] == "floor" for r in rs):
             notes.append("floor: one single-threaded memcpy into a pre-faulted shared segment "
                          "plus every reader's read of every byte.")
@@ -389,6 +394,25 @@ def _section_notes(records, rs, scenario) -> list[str]:
     return notes
 
 
+def _remote_notes(rs: list[dict]) -> list[str]:
+    names = {r["impl"] for r in rs}
+    if not any("-remote" in n for n in names):
+        return []
+    notes = ["-remote: every reader of the broadcast is a remote reader (TCP over loopback, "
+             "on this machine's cores) and answers on a local 1:1 queue; -remote-both: remote "
+             "both ways, as in vLLM's multi-node executor: each reader answers on a queue of "
+             "its own whose reader (the writer) is remote too.",
+             "security of fastmq's TCP path: fastmq-remote and fastmq-remote-both have the "
+             "default, a keyed MAC authenticating every message; +encrypt: AES-GCM "
+             "encryption; +plain: plain TCP, unauthenticated, the comparison for what the "
+             "default costs. vLLM's remote path is plain TCP."]
+    if "fastmq-remote+curve" in names:
+        notes.append("fastmq-remote+curve (a run before the security settings above): CURVE "
+                     "encryption and authentication; that run's CURVE-off row is shown as "
+                     "fastmq-remote+plain.")
+    return notes
+
+
 def scenario_tables(result: dict, md: bool = False) -> str:
     parts = [s for s in (section(result["records"], sc, md) for sc in config.SCENARIOS) if s]
     return "\n\n".join(parts)
@@ -415,6 +439,24 @@ def _ratio_cell(r: dict, field: str) -> str:
     return ratio(r.get(field))
 
 
+# The step rows of the summary, each against vLLM on the same path.
+_BOTH = "remote both ways (vLLM's multi-node executor shape)"
+STEP_ROWS = (("step round trip", "fastmq-futex"),
+             ("step round trip, remote readers (TCP)", "fastmq-remote"),
+             ("step round trip, remote readers (TCP), +encrypt", "fastmq-remote+encrypt"),
+             ("step round trip, remote readers (TCP), +plain", "fastmq-remote+plain"),
+             (f"step round trip, {_BOTH}", "fastmq-remote-both"),
+             (f"step round trip, {_BOTH}, +encrypt", "fastmq-remote-both+encrypt"),
+             (f"step round trip, {_BOTH}, +plain", "fastmq-remote-both+plain"))
+# The default security's cost: fastmq's remote row against its +plain row.
+# (Ratio as everywhere: +plain's time / the default's; below 1x, what the
+# security costs.)
+SECURITY_COST = (("security cost: fastmq-remote against fastmq-remote+plain, step round trip",
+                  "fastmq-remote", "fastmq-remote+plain"),
+                 ("security cost: fastmq-remote-both against fastmq-remote-both+plain, step "
+                  "round trip", "fastmq-remote-both", "fastmq-remote-both+plain"))
+
+
 def headline(records: list[dict]) -> list[list[str]]:
     """The rows people quote: [figure, fastmq, compared with, ratio]; only
     figures both sides of which were measured."""
@@ -436,10 +478,7 @@ def headline(records: list[dict]) -> list[list[str]]:
     step_sizes = sorted({r["size_bytes"] for r in records if r["scenario"] == "step"})
     if step_sizes:
         size = min(step_sizes, key=lambda s: abs(s - config.KiB))
-        for label, mine in (("step round trip", "fastmq-futex"),
-                            ("step round trip, remote readers (TCP)", "fastmq-remote"),
-                            ("step round trip, remote readers (TCP), CURVE on",
-                             "fastmq-remote+curve")):
+        for label, mine in STEP_ROWS:
             for n in ns("step"):
                 f = get("step", mine, n, size)
                 v = get("step", vllm_counterpart(mine), n, size)
@@ -448,7 +487,9 @@ def headline(records: list[dict]) -> list[list[str]]:
                                  f"p50", f"{_fig(f, 'p50', 'us')} ({mine})",
                                  f"{_fig(v, 'p50', 'us')} ({v['impl']})",
                                  _ratio_cell(f, "vs_vllm")])
-                fl = get("step", FLOOR_OF["step"], n, size)
+                # The local step beside its floor (the tables give every
+                # row's ratio to it).
+                fl = get("step", FLOOR_OF["step"], n, size) if mine == "fastmq-futex" else None
                 if f and fl:
                     rows.append([f"{label} against its floor (pickling + a C round trip), "
                                  f"{fmt_size(size)}, N={n_cell(n, 'step', size)}, p50",
@@ -456,6 +497,15 @@ def headline(records: list[dict]) -> list[list[str]]:
                                  f"{_fig(fl, 'p50', 'us')} ({fl['impl']})"
                                  + (" (!)" if fl.get("not_a_floor") else ""),
                                  _ratio_cell(f, "vs_floor")])
+        # What the default security costs: against plain TCP, same shape.
+        for label, mine, plain in SECURITY_COST:
+            for n in ns("step"):
+                f, p = get("step", mine, n, size), get("step", plain, n, size)
+                if f and p:
+                    rows.append([f"{label}, {fmt_size(size)}, N={n_cell(n, 'step', size)}, "
+                                 f"p50", f"{_fig(f, 'p50', 'us')} ({mine})",
+                                 f"{_fig(p, 'p50', 'us')} ({plain})",
+                                 ratio(p["p50"] / f["p50"] if f["p50"] > 0 else None)])
     for n in ns("throughput"):
         f = get("throughput", "fastmq-futex", n, None)
         f = f or next((r for r in records if r["scenario"] == "throughput"
@@ -520,8 +570,10 @@ def generate_rows(records: list[dict]) -> list[list[str]]:
 
 
 TENSOR_PATHS = (("arena", "fastmq-futex+arena"), ("arena off", "fastmq-futex"),
-                ("remote (TCP)", "fastmq-remote"), ("remote (TCP), CURVE on",
-                                                    "fastmq-remote+curve"))
+                ("remote (TCP)", "fastmq-remote"), ("remote (TCP), +encrypt",
+                                                    "fastmq-remote+encrypt"),
+                ("remote (TCP), +plain", "fastmq-remote+plain"),
+                ("remote both ways", "fastmq-remote-both"))
 
 
 def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -574,21 +626,47 @@ def summary(result: dict, md: bool, headline_readers: tuple[int, ...] | None = N
                  f"same path ({how})")
         paths = ("arena off: a message larger than a ring chunk (24 MiB by default) takes "
                  "the overflow path (ipc socket), a smaller one the ring; remote: TCP over "
-                 "loopback.")
+                 "loopback (remote both ways: the answers too), with fastmq's default "
+                 "security (a keyed MAC on every message), +encrypt (AES-GCM) or +plain "
+                 "(unauthenticated); vLLM's remote path is plain TCP.")
         parts.append((f"### {title}\n\n{paths}\n\n" if md else f"{title}\n{paths}\n")
                      + render(headers, trows, "ll" + "r" * (len(headers) - 2), md,
                               group=False))
     return "\n\n".join(parts)
 
 
+# The JSON files' format; /3: the remote rows are named by their security.
+SCHEMA = "fastmq-bench/3"
+
+# Rows of older files under today's name for what they measured: their
+# fastmq-remote ran with CURVE off, plain TCP (their +curve keeps its name).
+_OLD_NAMES = {"fastmq-remote": "fastmq-remote+plain"}
+
+
+def _rename_old_rows(result: dict) -> None:
+    for r in result["records"]:
+        r["impl"] = _OLD_NAMES.get(r["impl"], r["impl"])
+    impls = result.get("implementations")
+    if isinstance(impls, dict):
+        result["implementations"] = {_OLD_NAMES.get(k, k): v for k, v in impls.items()}
+    chosen = result.get("config", {}).get("implementations")
+    if isinstance(chosen, dict):
+        result["config"]["implementations"] = {
+            s: [_OLD_NAMES.get(n, n) for n in names] for s, names in chosen.items()}
+
+
 def load_results(path: str) -> dict:
     """A JSON file written by ``--json``.  Files written before records
-    carried their runs get their ratios computed under today's rules."""
+    carried their runs get their ratios computed under today's rules, and
+    rows of older files are named as today (``_OLD_NAMES``)."""
     with open(path) as f:
         result = json.load(f)
     recs = result.get("records")
     if not isinstance(recs, list):
         raise ValueError(f"{path}: not a fastmq-bench JSON file (no records)")
+    if result.get("schema") != SCHEMA:
+        _rename_old_rows(result)
+        result["schema"] = SCHEMA
     if recs and "runs" not in recs[0]:
         # Written before repeated runs, like-with-like ratios and the floor
         # check: recompute what the current rules derive from the figures.

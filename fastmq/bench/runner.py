@@ -88,7 +88,7 @@ def describe(plan_: dict, scenarios: list[str] | None = None) -> str:
             state = "yes" if ok else "no: " + why
         else:
             state = "not checked"
-        lines.append(f"  {impl.name:20s} {impl.description}; "
+        lines.append(f"  {impl.name:26s} {impl.description}; "
                      f"{', '.join(where) or 'not selected'}; {state}")
     return "\n".join(lines)
 
@@ -154,7 +154,7 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     m = machine()
     m["loadavg_start"], m["loadavg_end"] = load_start, load_end
     return {
-        "schema": "fastmq-bench/2",
+        "schema": report.SCHEMA,
         "machine": m,
         "versions": versions(with_vllm and any(
             v["available"] for n, v in available.items() if selected[n].family == "vllm")),
@@ -212,7 +212,8 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
     from fastmq.bench.report import RATIO_RULE
 
     notes.append(f"Ratios: {RATIO_RULE}. vs vLLM compares with vLLM on the same path (arena "
-                 "with arena, arena off with arena off, remote with remote); vs floor with "
-                 "the scenario's floor. Warm-up rounds are excluded; every reader verifies "
-                 "every message (number and content) and the run fails otherwise.")
+                 "with arena, arena off with arena off, remote with remote of the same "
+                 "shape); vs floor with the scenario's floor. Warm-up rounds are excluded; "
+                 "every reader verifies every message (number and content) and the run "
+                 "fails otherwise.")
     return notes

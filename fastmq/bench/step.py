@@ -4,7 +4,9 @@ One writer broadcasts ``("step", seq, payload)`` to N readers; each reader
 checks the number and every byte of the payload and answers ``("ok", seq,
 rank)`` on its own 1:1 queue; the writer's clock stops when all N answers
 are in.  This is what vLLM's engine pays per scheduler step to reach its
-workers and hear back from them.
+workers and hear back from them.  The ``-remote`` rows make the broadcast's
+readers remote; the ``-remote-both`` rows the answer queues' reader too, as
+vLLM's multi-node executor does (see impls.py).
 """
 from __future__ import annotations
 
@@ -15,8 +17,13 @@ from fastmq.bench.harness import ReaderGroup, receive, sample_loop, summarize
 from fastmq.bench.verify import VerifyError, check_step_payload, expect_seq, step_payload
 
 NAME = "step"
-IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "fastmq-remote",
-         "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor")
+IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm",
+         # every reader remote, answers local
+         "fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain", "vllm-remote",
+         # remote both ways (vLLM's multi-node executor)
+         "fastmq-remote-both", "fastmq-remote-both+encrypt", "fastmq-remote-both+plain",
+         "vllm-remote-both",
+         "pyzmq", "floor")
 
 
 def groups(impls, params) -> int:

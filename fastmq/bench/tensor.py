@@ -17,8 +17,12 @@ from fastmq.bench.harness import BenchError, ReaderGroup, receive, summarize
 from fastmq.bench.verify import VerifyError, checksum, expect_seq, tensor_expected
 
 NAME = "tensor"
-IMPLS = ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm", "fastmq-remote",
-         "fastmq-remote+curve", "vllm-remote", "pyzmq", "floor")
+IMPLS = ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm",
+         "fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain", "vllm-remote",
+         # Remote both ways adds only the small answers' TCP hop: the
+         # default security is enough to show it.
+         "fastmq-remote-both", "vllm-remote-both",
+         "pyzmq", "floor")
 NEEDS_TORCH = True
 
 
