@@ -14,7 +14,8 @@ the pickler's last dump failed: ``needs_new_pickler`` tells the writer's
 encoder to build a fresh one before the next message.
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize,
+                            PyBytes_GET_SIZE)
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
@@ -33,9 +34,9 @@ cdef class PickleSink:
     for every ``PickleBuffer`` and may return a slot descriptor to send out
     of band instead; ``commit()`` (the arena's) is called once a message is
     published, so its slots belong to the readers, and ``abort()`` when
-    sending it failed before anything was published, so they are free.  Out-of-band buffers of
-    ``oob_min`` bytes and more travel beside the stream, smaller ones in
-    band."""
+    sending it failed before anything was published, so they are free.
+    Out-of-band buffers of ``oob_min`` bytes and more travel beside the
+    stream, smaller ones in band."""
 
     def __cinit__(self, to_slot=None, commit=None, abort=None, Py_ssize_t oob_min=1 << 20):
         self.buf = <char *>malloc(FIRST_CAP)
@@ -134,12 +135,12 @@ cdef class PickleSink:
     cdef int pickle(self, object pickler, object obj) except -1:
         """Pickle ``obj`` into the buffer with ``pickler`` (whose file and
         buffer callback are this sink)."""
+        cdef char *p
         if self.cap > KEEP_CAP:
-            free(self.buf)
-            self.buf = <char *>malloc(KEEP_CAP)
-            self.cap = KEEP_CAP if self.buf != NULL else 0
-            if self.buf == NULL:
-                raise MemoryError()
+            p = <char *>realloc(self.buf, KEEP_CAP)
+            if p != NULL:       # else keep the larger buffer: still valid
+                self.buf = p
+                self.cap = KEEP_CAP
         self.size = 0
         self.let_go()
         try:
