@@ -17,8 +17,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from fastmq import _config, _handshake, _net, _proc, _seal, _sockets, _tcp, cleanup
-from fastmq._ring import (LONG_WAIT, READY, WAIT_ZMQ, WRITER_CLOSED, WRITER_DIED,
-                          CorruptChunkError)
+from fastmq._ring import (LONG_WAIT, OVERFLOW, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
+                          WRITER_DIED, CorruptChunkError)
 from fastmq._serde import decode
 from fastmq.handle import Handle, HandleMismatchError, is_fastmq_ring, vllm_ring_error
 from fastmq.ring import ShmRingBuffer, dead_peers_note
@@ -168,9 +168,9 @@ class LocalReader(_ReaderEnd):
                 self.buffer.close()
             raise
         self.zmq = (context, sockets, [])
-        # The arena core's bound method, taken once: it runs per message.
-        self._flush_arena_releases = (self.tensor_arena.flush_releases
-                                      if self.tensor_arena is not None else None)
+        # What the ring calls per message (flush_releases, map_oob): the
+        # arena's core, or the stand-in for an arena that failed to attach.
+        self._arena_core = getattr(self.tensor_arena, "core", self.tensor_arena)
 
     def wait_until_ready(self) -> None:
         self._receive_handshake(self.local_socket)
@@ -249,30 +249,28 @@ class LocalReader(_ReaderEnd):
 
     # -- messages ---------------------------------------------------------------
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
-        if self._flush_arena_releases is not None:
-            # Hand back arena slots whose last view died (CUDA-event gated
-            # where this process pinned the arena).
-            self._flush_arena_releases()
+        # One call into the ring: the arena's releases, the wait, the
+        # copy of the out-of-band buffers and the unpickling.
+        obj = self.ring.read_object(timeout, self._arena_core)
+        if obj is PENDING:
+            return self._dequeue_pending(timeout, indefinite)
+        return obj
+
+    def _dequeue_pending(self, timeout: float | None, indefinite: bool) -> Any:
         ring = self.ring
-        frames = ring.read_frames(timeout)
-        if frames.__class__ is int:
-            # A wait status: act on it; then the chunk is ready and the read
-            # does not wait again.
-            self._keep_waiting(frames, indefinite)
-            frames = ring.read_frames(timeout)
-        if frames is None:
-            # An overflow mark.  Its payload left the writer before the mark
-            # was published: it is here or nearly, so it gets its own (full)
-            # timeout rather than a clock read on every dequeue().
-            return self._recv_overflow(_sockets.deadline(timeout))
-        stream, oob, held = frames
-        if held < 0:    # the ring copied the stream out and released the chunk
-            return decode(stream, oob, self.tensor_arena)
-        try:
-            return decode(stream, oob, self.tensor_arena)
-        finally:
-            stream.release()
-            ring.release_read(held)
+        while True:
+            status = ring.pending
+            if status == OVERFLOW:
+                # Its payload left the writer before the mark was published:
+                # it is here or nearly, so it gets its own (full) timeout
+                # rather than a clock read on every dequeue().
+                return self._recv_overflow(_sockets.deadline(timeout))
+            # A wait status: act on it; then the chunk is ready and the
+            # read does not wait again.
+            self._keep_waiting(status, indefinite)
+            obj = ring.read_object(timeout, self._arena_core)
+            if obj is not PENDING:
+                return obj
 
     def _recv_overflow(self, until: float | None) -> Any:
         """The payload of the overflow mark in the current chunk.  The

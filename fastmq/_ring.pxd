@@ -1,5 +1,6 @@
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from fastmq._shm cimport Segment
+from fastmq._sink cimport PickleSink
 
 cdef class RingEnd:
     cdef readonly Segment segment
@@ -49,8 +50,13 @@ cdef class RingEnd:
     # Wakeups the ZMQ notify failed to send, and the last such error.
     cdef readonly uint64_t notify_errors
     cdef readonly object last_notify_error
-    # Message id of the overflow mark that read_frames() last returned None for.
+    # Message id of the overflow mark read_object() last found (pending == OVERFLOW).
     cdef readonly uint64_t overflow_id
+    # Messages and framed bytes send_object() / send_pickled() published.
+    cdef readonly uint64_t sent_messages
+    cdef readonly uint64_t sent_bytes
+    # Why read_object() last returned PENDING: a wait status or OVERFLOW.
+    cdef readonly int pending
     # Writer: bytes of each chunk reserved in /dev/shm so far.
     cdef Py_ssize_t *reserved
     # Reader: this end holds its reader slot (claim_reader) with this
@@ -83,7 +89,11 @@ cdef class RingEnd:
     cdef inline uint64_t *claim_word(self, int rank) noexcept nogil
     cdef inline bint closed_by_writer(self) noexcept
     cdef int writer_state(self) except -1
-    cdef object take_frames(self, int idx, char *c)
+    cdef list take_oob(self, int idx, char *c, uint64_t *start0, uint64_t *len0)
+    cdef Py_ssize_t frame_and_publish(self, Py_ssize_t n, const char **ptrs,
+                                      Py_ssize_t *lens, object timeout,
+                                      bint committed) except -1000
+    cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout) except -1000
     cdef int publish(self, int idx) except -1
     cdef int release_chunk(self, int idx) except -1
     cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1

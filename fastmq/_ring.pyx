@@ -59,9 +59,9 @@ publish, so no wakeup is lost; a busy pipeline (nobody parked) pays no
 syscall.  Parked waiters also wake every PARK_SLICE as a safety net.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
-from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.buffer cimport PyBUF_READ, PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport INT64_MAX, uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
@@ -76,6 +76,8 @@ from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _ali
 from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
 from fastmq._shm cimport Segment
 from fastmq._shm import ShmFullError
+from fastmq._sink cimport PickleSink
+from pickle import loads as _loads
 
 from fastmq._proc import START_TAG_MASK, is_alive as _process_alive
 
@@ -109,7 +111,7 @@ cdef enum:
     FRAME_HEAD = 8
     MARK_BYTES = 16
     RESERVE_STEP = 65536   # pages are reserved in steps of this many bytes
-    COPY_STREAM_MAX = 65536  # read_frames copies a pickle stream this small out
+    NOGIL_COPY_MIN = 65536   # copies this large release the GIL
 
 # Wait modes; the Python layer maps names to these.
 WAIT_SPIN = 0
@@ -124,11 +126,30 @@ cdef enum:
     ST_WRITER_CLOSED = 2
     ST_WRITER_DIED = 3
     ST_READER_DIED = 4
+    ST_OVERFLOW = 5
+    ST_PICKLER_STALE = 6
 READY = ST_READY
 LONG_WAIT = ST_LONG_WAIT
 WRITER_CLOSED = ST_WRITER_CLOSED
 WRITER_DIED = ST_WRITER_DIED
 READER_DIED = ST_READER_DIED
+# Not waits: read_object() found an overflow mark; send_object() was handed
+# a pickler that must be rebuilt first.
+OVERFLOW = ST_OVERFLOW
+PICKLER_STALE = ST_PICKLER_STALE
+
+
+class _Pending:
+    """What ``read_object`` returns instead of a message (see ``pending``)."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return "fastmq._ring.PENDING"
+
+
+PENDING = _Pending()
+cdef object _PENDING = PENDING
 
 cdef int64_t PARK_SLICE_NS = 100_000_000     # safety-net re-check while parked
 cdef int64_t SPIN_SLICE_NS = 20_000_000      # GIL/signal check while spinning
@@ -162,6 +183,19 @@ def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     data_off = _align(meta_off + stride * max_chunks, 4096)
     total = data_off + max_chunk_bytes * max_chunks
     return stride, meta_off, data_off, total
+
+
+cdef inline void _frame(char *c, Py_ssize_t n, const char **ptrs,
+                        Py_ssize_t *lens) noexcept nogil:
+    # Chunk framing (see the module docstring): head, lengths, buffers.
+    cdef Py_ssize_t i, off = FRAME_HEAD + 8 * n
+    c[0] = 0
+    (<uint32_t *>(c + 4))[0] = <uint32_t>n
+    for i in range(n):
+        (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0] = lens[i]
+        off = _align(off, 8)
+        memcpy(c + off, ptrs[i], lens[i])
+        off += lens[i]
 
 
 cdef class RingEnd:
@@ -708,47 +742,132 @@ cdef class RingEnd:
         """
         self._check_writer()
         cdef Py_ssize_t n = len(buffers)
-        cdef Py_ssize_t i, total
+        cdef Py_ssize_t i
         cdef Py_buffer *views = <Py_buffer *>malloc(sizeof(Py_buffer) * (n if n > 0 else 1))
-        if views == NULL:
-            raise MemoryError()
+        cdef const char **ptrs = <const char **>malloc(sizeof(char *) * (n if n > 0 else 1))
+        cdef Py_ssize_t *lens = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * (n if n > 0 else 1))
         cdef Py_ssize_t got = 0
-        cdef int idx, status
-        cdef char *c
-        cdef Py_ssize_t off
         try:
-            total = FRAME_HEAD + 8 * n
+            if views == NULL or ptrs == NULL or lens == NULL:
+                raise MemoryError()
             for i in range(n):
                 PyObject_GetBuffer(buffers[i], &views[i], PyBUF_SIMPLE)
                 got += 1
-                total = _align(total, 8) + views[i].len
-            if total > self.max_chunk_bytes:
-                return 0
-            if committed:
-                self._check_turn(self.current_idx)
-            else:
-                status = self.begin_wait(timeout)
-                if status != ST_READY:
-                    return -status
-            idx = self.current_idx
-            self.reserve_chunk(idx, total)
-            c = self.chunk(idx)
-            with nogil:
-                fmq_store_u8_rel(self.meta(idx), 0)
-                c[0] = 0
-                (<uint32_t *>(c + 4))[0] = <uint32_t>n
-                off = FRAME_HEAD + 8 * n
-                for i in range(n):
-                    (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0] = views[i].len
-                    off = _align(off, 8)
-                    memcpy(c + off, views[i].buf, views[i].len)
-                    off += views[i].len
-            self.publish(idx)
-            return total
+                ptrs[i] = <const char *>views[i].buf
+                lens[i] = views[i].len
+            return self.frame_and_publish(n, ptrs, lens, timeout, committed)
         finally:
             for i in range(got):
                 PyBuffer_Release(&views[i])
             free(views)
+            free(ptrs)
+            free(lens)
+
+    cdef Py_ssize_t frame_and_publish(self, Py_ssize_t n, const char **ptrs,
+                                      Py_ssize_t *lens, object timeout,
+                                      bint committed) except -1000:
+        # send()'s work once the buffers are pinned: see its docstring for
+        # what the result means.
+        cdef Py_ssize_t i, total = FRAME_HEAD + 8 * n, off
+        cdef int idx, status
+        cdef char *c
+        for i in range(n):
+            total = _align(total, 8) + lens[i]
+        if total > self.max_chunk_bytes:
+            return 0
+        if committed:
+            self._check_turn(self.current_idx)
+        else:
+            status = self.begin_wait(timeout)
+            if status != ST_READY:
+                return -status
+        idx = self.current_idx
+        self.reserve_chunk(idx, total)
+        c = self.chunk(idx)
+        fmq_store_u8_rel(self.meta(idx), 0)
+        if total >= NOGIL_COPY_MIN:
+            with nogil:
+                _frame(c, n, ptrs, lens)
+        else:
+            # Releasing the GIL costs more than copying a small message.
+            _frame(c, n, ptrs, lens)
+        self.publish(idx)
+        return total
+
+    def send_object(self, obj, pickler, PickleSink sink, timeout=None):
+        """Pickle ``obj`` with ``pickler`` (whose file and buffer callback
+        are ``sink``) and send it: the writer's whole ``enqueue()`` of a
+        message that fits a chunk, in one call.
+
+        The object is pickled before the ring is touched, so one that
+        cannot be pickled raises with nothing sent.  Returns as
+        ``send_pickled``, or ``-PICKLER_STALE`` with nothing pickled when
+        the sink says the pickler must be rebuilt first."""
+        self._check_writer()
+        if sink.needs_new_pickler():
+            return -ST_PICKLER_STALE
+        try:
+            sink.pickle(pickler, obj)
+            return self.send_sink(sink, timeout)
+        except BaseException:
+            # Nothing was published (the publish is the last step and
+            # cannot fail): the message's arena slots are free again.
+            sink.aborted()
+            raise
+
+    def send_pickled(self, PickleSink sink, timeout=None):
+        """Frame the message pickled into ``sink`` into the next chunk and
+        publish it (as ``send``); then ``sink``'s arena commit runs and the
+        sink lets go of the message's out-of-band buffers.  Returns the
+        framed size; 0 when the message does not fit a chunk (nothing sent,
+        ``sink.frames()`` gives it for the overflow path); or a wait status
+        negated, with nothing sent: act on it, ``continue_wait()`` until
+        ``READY``, then call this again."""
+        self._check_writer()
+        try:
+            return self.send_sink(sink, timeout)
+        except BaseException:
+            sink.aborted()
+            raise
+
+    cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout) except -1000:
+        if not sink.holding:
+            raise RuntimeError("fastmq: no pickled message in the sink")
+        cdef list oob = sink.oob
+        cdef Py_ssize_t n = 1 + len(oob), i, got = 1, sent
+        cdef Py_buffer fixed_views[4]
+        cdef const char *fixed_ptrs[5]
+        cdef Py_ssize_t fixed_lens[5]
+        cdef Py_buffer *views = fixed_views
+        cdef const char **ptrs = fixed_ptrs
+        cdef Py_ssize_t *lens = fixed_lens
+        if n > 5:
+            views = <Py_buffer *>malloc(sizeof(Py_buffer) * (n - 1))
+            ptrs = <const char **>malloc(sizeof(char *) * n)
+            lens = <Py_ssize_t *>malloc(sizeof(Py_ssize_t) * n)
+        try:
+            if views == NULL or ptrs == NULL or lens == NULL:
+                raise MemoryError()
+            ptrs[0] = sink.buf
+            lens[0] = sink.size
+            for i in range(1, n):
+                PyObject_GetBuffer(oob[i - 1], &views[i - 1], PyBUF_SIMPLE)
+                got += 1
+                ptrs[i] = <const char *>views[i - 1].buf
+                lens[i] = views[i - 1].len
+            sent = self.frame_and_publish(n, ptrs, lens, timeout, False)
+        finally:
+            for i in range(1, got):
+                PyBuffer_Release(&views[i - 1])
+            if views != fixed_views:
+                free(views)
+                free(ptrs)
+                free(lens)
+        if sent > 0:
+            self.sent_messages += 1
+            self.sent_bytes += sent
+            sink.committed()
+        return sent
 
     def send_overflow_mark(self, uint64_t msg_id):
         """Publish, in the next chunk (``wait_next()`` returned ``READY``
@@ -802,43 +921,9 @@ cdef class RingEnd:
         cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes
         return self.data_view[s:s + self.max_chunk_bytes]
 
-    def read_frames(self, timeout=None):
-        """Wait for this reader's next chunk (as ``wait_next``) and return
-        the frames of its message: ``(stream, oob, held)``.
-
-        ``oob`` are the out-of-band buffers, copied out (a chunk is reused;
-        a tensor over its buffer may live on).  A pickle stream of up to
-        ``COPY_STREAM_MAX`` bytes is copied out too and the chunk is marked
-        read at once (``held == -1``): a copy that small costs less than
-        another call.  A larger ``stream`` is a memoryview inside the chunk,
-        which stays unread until ``release_read(held)``: the caller releases
-        it once it has decoded the stream, also when that fails.
-
-        ``None`` for an overflow mark: ``overflow_id`` names the socket
-        message that carries the payload, and the chunk stays unread until
-        ``release_read(current_idx)``.  An ``int`` is a wait status
-        (``LONG_WAIT``, ``WRITER_CLOSED``, ``WRITER_DIED``): the caller acts
-        on it, goes on with ``continue_wait()`` until ``READY``, and reads
-        again.  Every length is validated before any payload byte is
-        touched; a chunk whose framing is invalid is marked read (the next
-        message arrives intact) and raises ``CorruptChunkError``."""
-        self._check_reader()
-        cdef int status = self.begin_wait(timeout)
-        if status != ST_READY:
-            return status
-        cdef int idx = self.current_idx
-        cdef char *c = self.chunk(idx)
-        cdef uint8_t overflow = (<uint8_t *>c)[0]
-        if overflow == 1:
-            self.overflow_id = (<uint64_t *>(c + 8))[0]
-            return None
-        try:
-            return self.take_frames(idx, c)
-        except CorruptChunkError:
-            self.release_chunk(idx)
-            raise
-
-    cdef object take_frames(self, int idx, char *c):
+    cdef list take_oob(self, int idx, char *c, uint64_t *start0, uint64_t *len0):
+        # Validates the chunk's framing, copies the out-of-band buffers out
+        # and says where the pickle stream lies in the chunk.
         cdef uint8_t overflow = (<uint8_t *>c)[0]
         if overflow != 0:
             raise CorruptChunkError("fastmq ring chunk %d: bad overflow mark %d" % (idx, overflow))
@@ -847,8 +932,10 @@ cdef class RingEnd:
         if n < 1 or FRAME_HEAD + 8 * n > cap:
             raise CorruptChunkError("fastmq ring chunk %d: bad buffer count %d" % (idx, n))
         cdef uint64_t off = FRAME_HEAD + 8 * n
-        cdef uint64_t ln, start0 = 0, len0 = 0
+        cdef uint64_t ln
         cdef Py_ssize_t i
+        start0[0] = 0
+        len0[0] = 0
         # Validate all lengths before touching any payload byte.
         for i in range(<Py_ssize_t>n):
             ln = (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0]
@@ -858,13 +945,15 @@ cdef class RingEnd:
                     "fastmq ring chunk %d: buffer %d of %d bytes at offset %d overruns "
                     "the %d-byte chunk" % (idx, i, ln, off, cap))
             if i == 0:
-                start0 = off
-                len0 = ln
+                start0[0] = off
+                len0[0] = ln
             off += ln
+        if n == 1:
+            return None     # the common case: no list to build
         cdef list oob = []
         cdef object ba
         cdef char *dst
-        off = start0 + len0
+        off = start0[0] + len0[0]
         for i in range(1, <Py_ssize_t>n):
             ln = (<uint64_t *>(c + FRAME_HEAD + 8 * i))[0]
             off = (off + 7) & ~(<uint64_t>7)
@@ -875,17 +964,56 @@ cdef class RingEnd:
                                         "being read" % (idx, i))
             ba = PyByteArray_FromStringAndSize(NULL, ln)
             dst = PyByteArray_AS_STRING(ba)
-            with nogil:
+            if ln >= NOGIL_COPY_MIN:
+                with nogil:
+                    memcpy(dst, c + off, ln)
+            else:
                 memcpy(dst, c + off, ln)
             oob.append(ba)
             off += ln
-        cdef object stream
-        if len0 <= COPY_STREAM_MAX:
-            stream = PyBytes_FromStringAndSize(c + start0, len0)
-            self.release_chunk(idx)
-            return stream, oob, -1
-        cdef Py_ssize_t s = self.data_off + idx * self.max_chunk_bytes + start0
-        return self.data_view[s:s + len0], oob, idx
+        return oob
+
+    def read_object(self, timeout=None, arena=None):
+        """A reader's whole ``dequeue()`` of a message in the ring, in one
+        call: hand back ``arena``'s released slots (``flush_releases()``),
+        wait for this reader's next chunk (as ``wait_next``), validate its
+        framing, copy the out-of-band buffers out, unpickle the stream in
+        place (``decode_frames``) and mark the chunk read -- also when the
+        framing is invalid (``CorruptChunkError``) or unpickling fails.
+
+        Returns the message, or ``PENDING`` with ``pending`` set to why
+        nothing was read: a wait status (``LONG_WAIT``, ``WRITER_CLOSED``,
+        ``WRITER_DIED``; act on it, ``continue_wait()`` until ``READY``,
+        call again) or ``OVERFLOW`` (an overflow mark: ``overflow_id``
+        names the socket message that carries the payload, and the chunk
+        stays unread until ``release_read(current_idx)``)."""
+        self._check_reader()
+        if arena is not None:
+            arena.flush_releases()
+        cdef int status = self.begin_wait(timeout)
+        if status != ST_READY:
+            self.pending = status
+            return _PENDING
+        cdef int idx = self.current_idx
+        cdef char *c = self.chunk(idx)
+        if (<uint8_t *>c)[0] == 1:
+            self.overflow_id = (<uint64_t *>(c + 8))[0]
+            self.pending = ST_OVERFLOW
+            return _PENDING
+        cdef uint64_t start0, len0
+        cdef object stream = None
+        try:
+            oob = self.take_oob(idx, c, &start0, &len0)
+            # Unpickled in place: the chunk stays this reader's until the
+            # object is built (its bytes are copies), then it is marked read.
+            stream = PyMemoryView_FromMemory(c + start0, len0, PyBUF_READ)
+            return _decode(stream, oob, arena)
+        finally:
+            try:
+                if stream is not None:
+                    stream.release()
+            finally:
+                self.release_chunk(idx)
 
     # -- peers (header fields other modules read) --------------------------
     @property
@@ -1004,6 +1132,23 @@ cdef class RingEnd:
             self.data_view.release()
             self.data_view = None
         self.base = NULL
+
+
+def decode_frames(stream, list oob=None, arena=None):
+    """The object a message's frames carry: ``stream`` is the pickle stream
+    (a view into a ring chunk, or a socket frame) and ``oob`` its
+    out-of-band buffers, some of which may be descriptors of ``arena``
+    slots (a reader's end, whose ``map_oob`` maps them to views of the
+    slots).  Every message is decoded here, whichever way it came."""
+    return _decode(stream, oob, arena)
+
+
+cdef object _decode(object stream, list oob, object arena):
+    if oob:
+        if arena is not None:
+            oob = arena.map_oob(oob)
+        return _loads(stream, buffers=oob)
+    return _loads(stream)
 
 
 # -- read-only inspection (fastmq ls, fastmq cleanup) ------------------------

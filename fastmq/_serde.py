@@ -2,7 +2,8 @@
 reduced to raw bytes instead of torch's copying reducer.
 
 A writer keeps one ``Encoder`` for its lifetime: the pickler, its dispatch
-table and its buffer list are built once, not per message.
+table and the buffer it writes into (``fastmq._sink.PickleSink``) are built
+once, not per message.
 
 torch is never imported here ahead of need: ``import fastmq`` stays fast and
 works without torch.  A message can only hold a tensor once something has
@@ -12,11 +13,13 @@ is in ``sys.modules``; decoding a tensor imports torch at that point.
 from __future__ import annotations
 
 import copyreg
-import io
 import pickle
 import sys
 from pickle import PickleBuffer
 from typing import Any
+
+from fastmq._ring import decode_frames
+from fastmq._sink import PickleSink
 
 # The torch module once a tensor has been encoded or decoded (see
 # ``_load_torch``); None until then.  torch is optional: without it the
@@ -114,104 +117,58 @@ class _OverridePickler(pickle.Pickler):
         super().__init__(file, **kw)
 
 
-class _OobBuffers:
-    """Collects one message's out-of-band buffers (the pickler's
-    ``buffer_callback``).  Separate from the Encoder so that the pickler does
-    not reference the object that owns it."""
-
-    __slots__ = ("buffers", "to_slot", "oob_min")
-
-    def __init__(self, to_slot, oob_min: int):
-        self.buffers: list = [b""]
-        self.to_slot = to_slot
-        self.oob_min = oob_min
-
-    def on_buffer(self, buf: PickleBuffer) -> bool:
-        if self.to_slot is not None:
-            desc = self.to_slot(buf)
-            if desc is not None:
-                self.buffers.append(desc)
-                return False
-        raw = buf.raw()
-        if raw.nbytes < self.oob_min:
-            return True  # serialise in band
-        self.buffers.append(raw)
-        return False
-
-
 class Encoder:
-    """Turns an object into ``[pickle stream, oob buffer, ...]``.
+    """Turns an object into ``[pickle stream, oob buffer, ...]`` (``encode``),
+    or leaves it pickled in ``sink`` for the ring to frame (``pickler`` and
+    ``sink`` are what ``RingEnd.send_object`` takes).
 
     ``arena`` (the writer's end of the tensor arena) may claim large buffers
     first: its ``copy_to_slot(buf)`` is asked for every ``PickleBuffer`` and
     may return a small slot descriptor to send out of band instead of the
-    bytes, and its ``reducer_override(obj)`` is the pickler's (see
-    ``fastmq._arena``): the core's bound (Cython) method itself, since the
-    pickler calls it for every object that is not a builtin container or
-    atom.
+    bytes, its ``commit()`` runs once a message is published (``abort()``
+    once sending it failed before that), and its
+    ``reducer_override(obj)`` is the pickler's (see ``fastmq._arena``): the
+    core's bound (Cython) method itself, since the pickler calls it for
+    every object that is not a builtin container or atom.
     """
 
     def __init__(self, arena: Any = None, oob_min_bytes: int = OOB_MIN_BYTES):
-        self._bio = io.BytesIO()
-        self._copyreg_len = len(copyreg.dispatch_table)
-        # True while the pickler was built without the tensor reducer because
-        # torch was not imported yet: ``encode`` rebuilds it once torch is.
-        self._torch_pending = True
         self._reducer_override = None
-        to_slot = None
+        to_slot = commit = abort = None
         if arena is not None:
             self._reducer_override = arena.reducer_override
             to_slot = getattr(arena, "copy_to_slot", None)
-        self._oob = _OobBuffers(to_slot, oob_min_bytes)
-        self._pickler = self._new_pickler()
+            commit = getattr(arena, "commit", None)
+            abort = getattr(arena, "abort", None)
+        self.sink = PickleSink(to_slot, commit, abort, oob_min_bytes)
+        self.pickler = None
+        self.refresh()
 
-    def _new_pickler(self):
-        cb = self._oob.on_buffer
+    def refresh(self) -> None:
+        """Build a fresh pickler (the sink says when: a reducer registered
+        or torch imported since, or the last dump failed)."""
+        sink = self.sink
         if self._reducer_override is not None:
-            p = _OverridePickler(self._bio, self._reducer_override, protocol=5,
-                                 buffer_callback=cb)
+            p = _OverridePickler(sink, self._reducer_override, protocol=5,
+                                 buffer_callback=sink.on_buffer)
         else:
-            p = pickle.Pickler(self._bio, protocol=5, buffer_callback=cb)
+            p = pickle.Pickler(sink, protocol=5, buffer_callback=sink.on_buffer)
         torch_module = _loaded_torch()
         # Pending while torch is not (or only half) imported; not where its
         # import is blocked (``sys.modules["torch"] = None``).
-        self._torch_pending = (torch_module is None
-                               and sys.modules.get("torch", True) is not None)
+        torch_pending = (torch_module is None
+                         and sys.modules.get("torch", True) is not None)
         p.dispatch_table = _base_dispatch_table(torch_module)
-        return p
+        self.pickler = p
+        sink.expect(copyreg.dispatch_table, torch_pending, sys.modules)
 
     def encode(self, obj: Any) -> list:
-        if len(copyreg.dispatch_table) != self._copyreg_len or (
-                self._torch_pending and "torch" in sys.modules):
-            # Somebody registered a reducer, or imported torch, since: pick
-            # it up (once torch is bound, the second test is one attribute).
-            self._copyreg_len = len(copyreg.dispatch_table)
-            self._pickler = self._new_pickler()
-        bio = self._bio
-        bio.seek(0)
-        bio.truncate()
-        oob = self._oob
-        buffers = oob.buffers = [b""]
-        pickler = self._pickler
-        try:
-            pickler.dump(obj)
-        except BaseException:
-            # A failed dump can leave the pickler's memo and framing in any
-            # state: start the next message from a fresh one.
-            self._pickler = self._new_pickler()
-            raise
-        finally:
-            pickler.clear_memo()
-            oob.buffers = None
-        buffers[0] = bio.getvalue()
-        return buffers
+        sink = self.sink
+        if sink.stale():
+            self.refresh()
+        return sink.dump(self.pickler, obj)
 
 
-def decode(stream: Any, oob: list, arena: Any = None) -> Any:
-    """The object a message's frames carry: ``stream`` is the pickle stream
-    (a view into a ring chunk, or a socket frame) and ``oob`` its
-    out-of-band buffers, some of which may be descriptors of ``arena``
-    slots (a reader's end, which maps them to views of the slots)."""
-    if oob and arena is not None:
-        oob = arena.map_oob(oob)
-    return pickle.loads(stream, buffers=oob)
+# Every message is decoded by the ring's one decode, whichever way its
+# frames came (a chunk, or a socket).
+decode = decode_frames

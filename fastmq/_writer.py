@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import zmq
 
 from fastmq import _config, _handshake, _net, _seal, _sockets, _tcp, cleanup, segments
-from fastmq._ring import (LONG_WAIT, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD, SLOT_FREE,
-                          SLOT_LEFT, WAIT_ZMQ)
+from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD,
+                          SLOT_FREE, SLOT_LEFT, WAIT_ZMQ)
 from fastmq._serde import Encoder
 from fastmq.handle import BufferHandle, Handle, HandleMismatchError
 from fastmq.ring import ShmRingBuffer
@@ -345,39 +345,28 @@ class QueueWriter:
             try:
                 if self.shutting_down:
                     raise RuntimeError("cancelled")
+                if self.n_remote_reader == 0:
+                    # Node-local readers only: one call into the ring pickles
+                    # the message into the encoder's buffer, frames it into
+                    # the next chunk, publishes it and commits its arena
+                    # slots (or, raising, has published nothing and freed
+                    # them); it counts what it sent (see stats()).
+                    encoder = self.encoder
+                    framed = self.ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
+                    if framed <= 0:
+                        self._send_local_slow(obj, framed, timeout)
+                    if self._zmq_wakeup and not self._notify_failure_logged and \
+                            self.ring.notify_errors:
+                        self._log_notify_failure()
+                    return
                 arena = self.tensor_arena
                 ring = self.ring
                 published = ring.n_published if ring is not None else 0
                 try:
                     buffers = self.encoder.encode(obj)
-                    if self.n_remote_reader == 0:
-                        framed = ring.send(buffers, timeout)
-                        if framed < 0:
-                            # A wait status (nothing sent): act on it, then the
-                            # chunk is free and the send does not wait again.
-                            self._keep_waiting(-framed)
-                            framed = ring.send(buffers, timeout)
-                        if framed:
-                            stats = self.stats_
-                            stats.ring_messages += 1
-                            stats.ring_bytes += framed
-                        else:
-                            # Too big for a chunk (send waited for nothing): one
-                            # deadline covers the wait for a chunk and the flush.
-                            until = _sockets.deadline(timeout)
-                            self._wait_turn(timeout)
-                            self._send_overflow(buffers, until)
-                    else:
-                        self._send_with_remote(buffers, timeout, _sockets.deadline(timeout))
+                    self._send_with_remote(buffers, timeout, _sockets.deadline(timeout))
                 except BaseException:
-                    if arena is not None:
-                        if ring is not None and ring.n_published != published:
-                            # The chunk naming these slots is out: readers own
-                            # the slots now and release them.
-                            arena.commit()
-                        else:
-                            # Never published to a reader: the slots are free again.
-                            arena.abort()
+                    self._settle_arena(published)
                     raise
                 if arena is not None:
                     self._commit_arena()
@@ -387,6 +376,52 @@ class QueueWriter:
                 if self._close_pending:
                     # shutdown() ran in a signal handler during this call.
                     self._close_ring()
+
+    def _send_local_slow(self, obj: Any, framed: int, timeout: float | None) -> None:
+        """What ``ring.send_object`` left to do, with nothing published yet:
+        rebuild a stale pickler, act on a wait status, or send a message too
+        big for a chunk over the overflow socket."""
+        ring = self.ring
+        encoder = self.encoder
+        published = ring.n_published
+        try:
+            while framed == -PICKLER_STALE:
+                encoder.refresh()
+                framed = ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
+            if framed < 0:
+                # A wait status (pickled, nothing sent): act on it, then the
+                # chunk is free and the send does not wait again.
+                self._keep_waiting(-framed)
+                framed = ring.send_pickled(encoder.sink, timeout)
+            if framed == 0:
+                # Too big for a chunk (send waited for nothing): one
+                # deadline covers the wait for a chunk and the flush.
+                until = _sockets.deadline(timeout)
+                self._wait_turn(timeout)
+                self._send_overflow(encoder.sink.frames(), until)
+                if self._commit_arena is not None:
+                    self._commit_arena()
+        except BaseException:
+            self._settle_arena(published)
+            raise
+        finally:
+            # The message's out-of-band buffers are the caller's memory.
+            encoder.sink.clear()
+
+    def _settle_arena(self, published: int) -> None:
+        """After a failed enqueue(): the slots of a message whose chunk is
+        out belong to the readers; those of one never published are free."""
+        arena = self.tensor_arena
+        if arena is None:
+            return
+        ring = self.ring
+        if ring is not None and ring.n_published != published:
+            # The chunk naming these slots is out: readers own
+            # the slots now and release them.
+            arena.commit()
+        else:
+            # Never published to a reader: the slots are free again.
+            arena.abort()
 
     def _log_notify_failure(self) -> None:
         # Once: it would otherwise repeat on every message.
@@ -506,6 +541,10 @@ class QueueWriter:
     def stats(self) -> dict:
         out = self.stats_.as_dict()
         ring = self.ring
+        if ring is not None:
+            # The one-call path counts in the ring (RingEnd.send_object).
+            out["ring_messages"] += ring.sent_messages
+            out["ring_bytes"] += ring.sent_bytes
         out["wakeups"] = ring.wakeups if ring is not None else 0
         out["notify_errors"] = ring.notify_errors if ring is not None else 0
         if self.tensor_arena is not None:

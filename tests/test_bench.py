@@ -86,7 +86,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
         "fastmq-remote+encrypt", "fastmq-remote+plain")
     expected = {
         "step": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq", "floor",
-                 "floor-memcpy"} | remote | _runs_here(
+                 "floor+pickle", "floor-memcpy"} | remote | _runs_here(
                      "fastmq-remote-both+encrypt", "fastmq-remote-both+plain"),
         "throughput": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq"},
         "tensor": {"fastmq-futex+arena", "fastmq-futex", "pyzmq", "floor"} | remote,
@@ -384,7 +384,8 @@ def _rec(scenario, impl, p50, size=config.KiB, n=1, **kw):
 def test_ratios_compare_like_with_like_in_one_convention():
     mib = 64 * config.MiB
     recs = [_rec("step", "vllm", 80.0), _rec("step", "fastmq-futex", 8.0),
-            _rec("step", "floor", 2.0), _rec("step", "vllm-remote", 300.0),
+            _rec("step", "floor", 2.0), _rec("step", "floor+pickle", 4.0),
+            _rec("step", "vllm-remote", 300.0),
             _rec("step", "fastmq-remote", 150.0), _rec("step", "fastmq-remote+plain", 100.0),
             _rec("step", "vllm-remote-both", 400.0), _rec("step", "fastmq-remote-both", 800.0),
             _rec("tensor", "vllm-remote-both", 90.0, mib, 4),
@@ -402,7 +403,9 @@ def test_ratios_compare_like_with_like_in_one_convention():
     by = {(r["scenario"], r["impl"]): r for r in recs}
     # Always the reference's time / this time: above 1 = faster.
     assert by[("step", "fastmq-futex")]["vs_vllm"] == pytest.approx(10.0)
-    assert by[("step", "fastmq-futex")]["vs_floor"] == pytest.approx(0.25)
+    # The step's floor is the C round trip plus pickling, not the bare one.
+    assert by[("step", "fastmq-futex")]["vs_floor"] == pytest.approx(0.5)
+    assert by[("step", "fastmq-remote")]["vs_floor"] == pytest.approx(4 / 150)
     assert by[("step", "fastmq-remote")]["vs_vllm"] == pytest.approx(2.0)   # remote vs remote
     assert by[("step", "fastmq-remote+plain")]["vs_vllm"] == pytest.approx(3.0)
     # remote both ways against vLLM remote both ways, a loss shown as one
@@ -418,6 +421,9 @@ def test_ratios_compare_like_with_like_in_one_convention():
     # Both sides of every tensor path are in the summary matrix, losses too.
     for r in recs:
         r.setdefault("runs", 1)
+    # The summary puts the step beside its floor, with the ratio.
+    assert ["step round trip against its floor (pickling + a C round trip), 1 KiB, N=1, p50",
+            "8.00 us (fastmq-futex)", "4.00 us (floor+pickle)", "0.500x"] in report.headline(recs)
     headers, rows = report.tensor_matrix(recs)
     assert ["arena", "64 MiB", "120 / 30.0 = 4.00x"] in rows
     assert ["arena off", "64 MiB", "150 / 300 = 0.500x"] in rows
@@ -649,6 +655,13 @@ def test_floor_pingpong_and_memcpy_validate_their_arguments():
     assert (dst == src).all() and (out >= 0).all()
     with pytest.raises(ValueError):
         _floor.time_memcpy(np.zeros(10, np.uint8), src, out)
+
+
+def test_the_pickling_floor_times_each_round():
+    from fastmq.bench import floors
+
+    out = floors.pickle_rounds(config.KiB, 2, 5)
+    assert out.shape == (5,) and (out > 0).all()
 
 
 def test_deadline_interrupts_a_blocking_socket_call():

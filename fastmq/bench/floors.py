@@ -6,6 +6,11 @@ same run as the queues.
   segment and bumps a sequence word; each reader spins on it, copies the
   payload out and answers on its own cache line.  With a 100-byte payload
   this is the cache-line ping-pong between processes.
+* ``floor+pickle`` in ``step``: the step's own floor, what any queue that
+  carries Python objects pays at least: ``floor`` plus ``pickle.dumps`` and
+  ``pickle.loads`` of the step's message and of one reader's answer, timed
+  in the writer's process in the same run (round trip ``i`` of the C floor
+  plus pickling round ``i``).
 * ``floor-memcpy``: one memcpy of the payload, in one process.
 * ``floor`` in ``tensor``: one memcpy into a pre-faulted shared segment plus
   every reader reading every byte of it (an implementation in impls.py, run
@@ -24,6 +29,7 @@ report (it is then not a floor: the machine changed under the run).
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 
@@ -31,7 +37,7 @@ import numpy as np
 
 from fastmq.bench.config import fmt_size
 from fastmq.bench.harness import BenchError, _on_sigterm, summarize
-from fastmq.bench.verify import pattern
+from fastmq.bench.verify import pattern, step_payload
 
 MEMCPY_WARMUP = 20
 MEMCPY_SAMPLES = 500
@@ -132,6 +138,9 @@ def step_floor(env, n: int, params, progress) -> list[dict]:
             seq += count
             records.append(record("floor", n, size, samples.tolist(), params.step_warmup,
                                   env.oversubscribed(n)))
+            pickling = pickle_rounds(size, params.step_warmup, count)
+            records.append(record("floor+pickle", n, size, (samples + pickling).tolist(),
+                                  params.step_warmup, env.oversubscribed(n)))
         for c in conns:
             c.send(None)
         for rank, p in enumerate(procs):
@@ -145,6 +154,27 @@ def step_floor(env, n: int, params, progress) -> list[dict]:
         seg.unlink()
         seg.close()
     return records
+
+
+def pickle_rounds(size: int, warmup: int, count: int) -> np.ndarray:
+    """Nanoseconds of ``pickle.dumps`` + ``pickle.loads`` (protocol 5) of a
+    step message with a ``size``-byte payload and of its answer, per round
+    (``warmup`` rounds first, not returned)."""
+    dumps, loads, now = pickle.dumps, pickle.loads, time.perf_counter_ns
+    out = np.zeros(count, dtype=np.int64)
+    for i in range(warmup + count):
+        seq = i + 1
+        msg = ("step", seq, step_payload(seq, size))
+        ack = ("ok", seq, 0)
+        t0 = now()
+        got = loads(dumps(msg, protocol=5))
+        answer = loads(dumps(ack, protocol=5))
+        dt = now() - t0
+        if got[1] != seq or answer != ack:
+            raise BenchError("floor+pickle: a message changed in pickling")
+        if i >= warmup:
+            out[i - warmup] = dt
+    return out
 
 
 def _rounds(_floor, seg, n, conns, src, first, count, params, spin_ns):

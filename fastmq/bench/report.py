@@ -35,7 +35,7 @@ _REMOTE = ("fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain",
            "vllm-remote-both")
 
 ORDER = {"step": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", *_REMOTE, "pyzmq",
-                  "floor"),
+                  "floor+pickle", "floor"),
          "throughput": ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq"),
          "tensor": ("fastmq-futex+arena", "vllm+arena", "fastmq-futex", "vllm", *_REMOTE,
                     "pyzmq", "floor"),
@@ -61,13 +61,17 @@ TITLES = {
 }
 
 # The floor each scenario's "vs floor" column uses.
-FLOOR_OF = {"step": "floor", "tensor": "floor", "wake": "floor-pipe"}
+FLOOR_OF = {"step": "floor+pickle", "tensor": "floor", "wake": "floor-pipe"}
 
 
 def bounded_by(floor: str, impl: str) -> bool:
     """Whether floor ``floor`` must come out at or below ``impl``'s time."""
     if impl == floor or impl == "floor-memcpy":
         return False
+    if floor == "floor+pickle":
+        # Every queue pickles the message and the answer and crosses
+        # between processes.
+        return not impl.startswith("floor")
     if floor == "floor":
         # The tensor arenas may copy with several threads; the floor's copy
         # is one memcpy on one thread.
@@ -342,6 +346,10 @@ def _section_notes(records, rs, scenario) -> list[str]:
             notes.append("floor: the same round trip over bare shared memory in C (payload "
                          "copied in, each reader copies it out and answers on its own cache "
                          "line); no queue, no pickling.")
+        if any(r["impl"] == "floor+pickle" for r in rs):
+            notes.append("floor+pickle, the step's floor (vs floor): floor plus pickle.dumps "
+                         "and pickle.loads of the same message and of one answer, timed in "
+                         "the same run; vs floor = floor+pickle p50 / this p50.")
         notes += _remote_notes(rs)
     if scenario == "tensor":
         notes.append("paths: +arena = the tensor arena (one copy into shared memory, readers "
@@ -479,6 +487,16 @@ def headline(records: list[dict]) -> list[list[str]]:
                                  f"p50", f"{_fig(f, 'p50', 'us')} ({mine})",
                                  f"{_fig(v, 'p50', 'us')} ({v['impl']})",
                                  _ratio_cell(f, "vs_vllm")])
+                # The local step beside its floor (the tables give every
+                # row's ratio to it).
+                fl = get("step", FLOOR_OF["step"], n, size) if mine == "fastmq-futex" else None
+                if f and fl:
+                    rows.append([f"{label} against its floor (pickling + a C round trip), "
+                                 f"{fmt_size(size)}, N={n_cell(n, 'step', size)}, p50",
+                                 f"{_fig(f, 'p50', 'us')} ({mine})",
+                                 f"{_fig(fl, 'p50', 'us')} ({fl['impl']})"
+                                 + (" (!)" if fl.get("not_a_floor") else ""),
+                                 _ratio_cell(f, "vs_floor")])
         # What the default security costs: against plain TCP, same shape.
         for label, mine, plain in SECURITY_COST:
             for n in ns("step"):

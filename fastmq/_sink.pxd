@@ -1,0 +1,27 @@
+cdef class PickleSink:
+    cdef char *buf
+    cdef Py_ssize_t size
+    cdef Py_ssize_t cap
+    # The out-of-band buffers of the message in the buffer, and whether
+    # the buffer holds a message not yet sent or let go.
+    cdef list oob
+    cdef bint holding
+    # The arena was asked for a slot for this message (see committed()).
+    cdef bint arena_asked
+    cdef object to_slot
+    cdef object commit
+    cdef object abort
+    cdef readonly Py_ssize_t oob_min
+    # What the pickler was built against (see expect()).
+    cdef dict copyreg_table
+    cdef Py_ssize_t copyreg_len
+    cdef bint torch_pending
+    cdef dict modules
+    cdef readonly bint broken
+
+    cdef int grow(self, Py_ssize_t need) except -1
+    cdef int pickle(self, object pickler, object obj) except -1
+    cdef int committed(self) except -1
+    cdef inline int let_go(self) except -1
+    cdef int aborted(self) except -1
+    cdef bint needs_new_pickler(self) except -1
