@@ -11,17 +11,20 @@ I/O thread between it and the socket either.
 Wire format (integers little-endian)::
 
     handshake, after the reader connected:
-      writer -> reader   CHALLENGE  magic "FMQr", version, mode, writer nonce (16)
-      reader -> writer   HELLO      magic, rank (i64), pid (i64), reader nonce (16), proof (32)
-      writer -> reader   READY      magic, proof (32)
-    each message:
-      header   magic, sequence number (u64), frame count (u32), frame lengths (u64 each), tag
-      frames   each cut into segments of SEGMENT_BYTES, every segment followed by its tag
+      writer -> reader   CHALLENGE  "FMQr", version, mode, this connection's challenge (16)
+      reader -> writer   HELLO      "FMQr", rank (i64), pid (i64), reader nonce (16), proof (32)
+      writer -> reader   READY      "FMQr", proof (32)
+    a small message (WHOLE_BYTES of frames at most), sealed at once:
+      "FMQw", sequence number (u64), frame count (u32), frame lengths (u64 each),
+      the frames, one tag over all of it
+    a larger one:
+      "FMQs", sequence number, frame count, frame lengths, the header's tag,
+      then its frames cut into segments of SEGMENT_BYTES, each followed by its tag
 
-The tags (none in security mode ``"none"``; ciphertext in place of the
-segment in ``"encrypt"``) are ``fastmq._seal``'s.  Segment indices run
-across the whole message, so a reader checks each segment as it arrives,
-while the next one is still on its way.
+The tags (none in security mode ``"none"``; in ``"encrypt"`` the frames are
+ciphertext, the tag after them) are ``fastmq._seal``'s.  Segment indices
+run across the whole message, so a reader checks each segment as it
+arrives, while the next one is still on its way.
 
 Every wait is sliced (``SLICE_S``): shutdown, deadlines and dead peers are
 noticed between slices.  Sends are non-blocking: a writer pushes to every
@@ -290,7 +293,8 @@ class Fanout:
                 "own MessageQueue (it speaks ZMQ): fastmq is not active in its process. "
                 "Activate fastmq in every process of the deployment or in none.")
         if len(j.got) < HELLO.size:
-            if j.got[:len(MAGIC)] != MAGIC[:len(j.got)]:
+            # (a ZMQ greeting, 0xFF first, is told apart once 10 bytes are here)
+            if j.got[0] != 0xFF and j.got[:len(MAGIC)] != MAGIC[:len(j.got)]:
                 self._reject(j, "is not a fastmq reader")
             return
         if len(j.got) > HELLO.size:
@@ -456,6 +460,7 @@ class Fanout:
             if r.error is None:
                 r.parts = deque([own(p) for p in r.parts] +
                                 [own(p) for b in self._sealed[r.next_batch:] for p in b] + rest)
+            r.next_batch = 0
         self._batches, self._sealed = None, []
         # Sent in the background: the caller may wait for the readers'
         # answers before it enqueues again (vLLM's engine does).
@@ -549,7 +554,6 @@ def _frame_buffer(length: int):
     return numpy.empty(length, dtype=numpy.uint8)
 
 
-
 class Stream:
     """A remote reader's end: the connection to the writer and a small
     receive buffer.  ``recv`` is resumable: a deadline that passes in the
@@ -572,7 +576,6 @@ class Stream:
         self._inbox = bytearray(self.INBOX_BYTES)
         self._mv = memoryview(self._inbox)
         self._lo = self._hi = 0
-        self._eof = False
         self._step = None    # the message being received (a generator)
         self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
         self._seq = 0
@@ -595,6 +598,10 @@ class Stream:
             if spin_until is None:
                 spin_until = now + self.spin_s
             if now < spin_until:
+                # Give the core back to a writer or reader sharing it (more
+                # busy processes than cores: the writer may be waiting for
+                # this one to get off its core).
+                os.sched_yield()
                 continue
             _wait([(self.fd, select.POLLIN)], until, end)
 
