@@ -21,7 +21,8 @@ Security modes (``remote_security=`` or ``FASTMQ_REMOTE_SECURITY``):
 
 * ``"mac"`` (default): authenticated, not encrypted.  The tag is GMAC, the
   payload being GCM's associated data: it runs on the CPU's carry-less
-  multiply at several GB/s, so it costs a few percent of a TCP transfer.
+  multiply (about 15 GB/s a core here), one more pass over the bytes on
+  each side, and a microsecond or two per small message.
 * ``"encrypt"``: AES-256-GCM, confidentiality too, at about memcpy speed
   (the payload is copied once more on each side).
 * ``"none"``: plain TCP, as vLLM's remote readers; anyone who reaches the
@@ -34,7 +35,6 @@ repeats.  The handshake uses HMAC, which has no nonce to repeat.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
