@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from fastmq import MessageQueue, _sockets, _tcp
+from fastmq import MessageQueue, _tcp
 
 import _remote_children as rc
 from _queues import remote_close_seen, wait_for

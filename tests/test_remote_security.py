@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 import socket
-import struct
 import threading
 
 import pytest
@@ -107,7 +107,7 @@ def test_a_reader_with_the_wrong_key_is_refused():
     w = MessageQueue(1, 0, connect_ip="127.0.0.1")
     h = w.export_handle()
     wrong = MessageQueue.create_from_handle(
-        __import__("dataclasses").replace(h, remote_key=os.urandom(32)), 0)
+        dataclasses.replace(h, remote_key=os.urandom(32)), 0)
     good = MessageQueue.create_from_handle(h, 0)
     errors = []
 
@@ -131,7 +131,7 @@ def test_a_stranger_posing_as_the_writer_is_refused():
     fake.bind(("127.0.0.1", 0))
     fake.listen()
     real = MessageQueue(1, 0, connect_ip="127.0.0.1").export_handle()
-    h = __import__("dataclasses").replace(
+    h = dataclasses.replace(
         real, remote_subscribe_addr=f"tcp://127.0.0.1:{fake.getsockname()[1]}")
     r = MessageQueue.create_from_handle(h, 0)
 
@@ -192,7 +192,7 @@ def _through_middle(tamper, security="mac"):
     w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
     h = w.export_handle()
     m = _Middle(_tcp.parse_address(h.remote_subscribe_addr), tamper)
-    r = MessageQueue.create_from_handle(__import__("dataclasses").replace(
+    r = MessageQueue.create_from_handle(dataclasses.replace(
         h, remote_subscribe_addr=m.addr), 0)
     _ready(w, [r])
     return w, r
