@@ -84,6 +84,17 @@ def spin_us(value: float | None) -> float:
     return value
 
 
+# Memory a remote reader keeps to receive the next large frames into,
+# once the caller dropped the earlier ones (fastmq._pool).  Enough for a
+# step's large tensors; what a burst needed beyond it goes back.
+DEFAULT_REMOTE_BUFFERS_MB = 512
+
+
+def remote_buffers_bytes() -> int:
+    """``FASTMQ_REMOTE_BUFFERS_MB`` (MiB; 0 keeps none), in bytes."""
+    return env_int("FASTMQ_REMOTE_BUFFERS_MB", DEFAULT_REMOTE_BUFFERS_MB) << 20
+
+
 def warning_interval() -> float:
     """vLLM's ``VLLM_RINGBUFFER_WARNING_INTERVAL`` (seconds, default 60)."""
     return env_float("VLLM_RINGBUFFER_WARNING_INTERVAL", 60.0)

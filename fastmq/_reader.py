@@ -340,7 +340,8 @@ class RemoteReader:
                              f"not one of {', '.join(_seal.MODES)}")
         seal = _seal.Seal(security, getattr(handle, "remote_key", None))
         self.remote_socket = self.stream = _tcp.Stream(
-            handle.remote_subscribe_addr, handle.remote_addr_ipv6, seal, rank)
+            handle.remote_subscribe_addr, handle.remote_addr_ipv6, seal, rank,
+            keep_bytes=_config.remote_buffers_bytes())
         spin_us = getattr(handle, "spin_us", None)
         self.stream.spin_s = (_config.spin_us(None) if spin_us is None else spin_us) / 1e6
         self.stream.start_hello(self)

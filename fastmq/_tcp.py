@@ -45,6 +45,7 @@ import time
 from collections import deque
 
 from fastmq import _seal
+from fastmq._pool import BufferPool
 from fastmq._ring import CorruptChunkError
 
 logger = logging.getLogger("fastmq")
@@ -543,17 +544,6 @@ class Outgoing:
 
 
 # -- the reader's side ------------------------------------------------------------
-def _frame_buffer(length: int):
-    """Writable memory for a received frame.  A large one is not zeroed
-    first (``bytearray(n)`` writes every page once before the socket
-    writes it again: a third of a large transfer)."""
-    if length < Stream.DIRECT_BYTES:
-        return bytearray(length)
-    import numpy
-
-    return numpy.empty(length, dtype=numpy.uint8)
-
-
 class Stream:
     """A remote reader's end: the connection to the writer and a small
     receive buffer.  ``recv`` is resumable: a deadline that passes in the
@@ -563,7 +553,8 @@ class Stream:
     INBOX_BYTES = 256 * 1024
     DIRECT_BYTES = 64 * 1024    # reads this large go straight into the frame
 
-    def __init__(self, address: str, ipv6: bool, seal: _seal.Seal, rank: int):
+    def __init__(self, address: str, ipv6: bool, seal: _seal.Seal, rank: int,
+                 keep_bytes: int = 0):
         self.seal = seal
         self.address = address
         self.rank = rank
@@ -577,6 +568,9 @@ class Stream:
         self._mv = memoryview(self._inbox)
         self._lo = self._hi = 0
         self._step = None    # the message being received (a generator)
+        # Large frames' memory, reused once the caller dropped it (see
+        # fastmq._pool: fresh pages cost as much as receiving into them).
+        self.buffers = BufferPool(keep_bytes)
         self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
         self._seq = 0
 
@@ -796,7 +790,7 @@ class Stream:
         tag_buf = bytearray(t)
         wire = None
         for length in lengths:
-            frame = _frame_buffer(length)
+            frame = self._frame_buffer(length)
             out = memoryview(frame)
             for off in range(0, length, SEGMENT_BYTES):
                 seg = out[off:off + SEGMENT_BYTES]
@@ -818,6 +812,14 @@ class Stream:
             frames.append(frame)
         return frames
 
+    def _frame_buffer(self, length: int):
+        """Writable memory for a received frame.  A large one comes from
+        the pool, not zeroed first (``bytearray(n)`` writes every page
+        once before the socket writes it again)."""
+        if length < self.DIRECT_BYTES:
+            return bytearray(length)
+        return self.buffers.take(length)
+
     def _unauthentic(self, seq: int) -> CorruptChunkError:
         return CorruptChunkError(f"fastmq: remote reader: message {seq} from {self.address} "
                                  "failed authentication (not sealed with this queue's key)")
@@ -830,6 +832,7 @@ class Stream:
         self._seq = seq
 
     def close(self, linger=None) -> None:
+        self.buffers.close()
         try:
             self.sock.close()
         except OSError:

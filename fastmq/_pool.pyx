@@ -1,0 +1,144 @@
+"""Receive buffers for a remote reader's large frames, kept for reuse.
+
+A frame of a large message is received straight into memory of its own,
+which becomes the caller's tensor.  Fresh memory costs the kernel a page
+fault and a page of zeros for every 4 KiB before the socket writes it
+again: for a 256 MiB tensor that is as much work as the receive itself.
+Memory that a dropped tensor gave back is already mapped, so the next
+frame of about its size goes straight in.
+
+Lifetime: a ``PooledBuffer`` is the exporter of its memory (buffer
+protocol); a tensor or array made over it holds a reference to it, so the
+memory returns to its ``BufferPool`` only when the last view of it is
+gone (``__dealloc__``), never while the caller can still see it.  A pool
+keeps at most ``cap`` bytes in at most ``MAX_FREE`` blocks; what does not
+fit goes back to the kernel.  Blocks are anonymous private mappings: a
+fork child gets its own copy of each, and nothing outlives the process.
+"""
+from cpython.buffer cimport PyBuffer_FillInfo
+from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, madvise,
+                         mmap, munmap)
+
+cdef extern from "<sys/mman.h>":
+    int MADV_HUGEPAGE
+
+cdef enum:
+    MAX_FREE = 8
+    PAGE = 4096
+    HUGE_PAGE = 2 << 20
+
+
+cdef size_t _pages(size_t n):
+    # A large block in whole huge pages: the kernel can back it with them
+    # (one fault per 2 MiB, not per 4 KiB, the first time it is written).
+    cdef size_t unit = HUGE_PAGE if n >= HUGE_PAGE else PAGE
+    return (n + unit - 1) & ~(unit - 1)
+
+
+cdef class BufferPool:
+    """``BufferPool(cap)``: hands out ``PooledBuffer``s and keeps up to
+    ``cap`` bytes of the ones given back for the next ``take``."""
+
+    cdef void *blocks[MAX_FREE]
+    cdef size_t sizes[MAX_FREE]
+    cdef int n
+    cdef size_t held
+    cdef size_t cap
+    cdef public Py_ssize_t reused
+
+    def __cinit__(self, Py_ssize_t cap):
+        if cap < 0:
+            raise ValueError(f"BufferPool: cap must be >= 0, got {cap}")
+        self.cap = cap
+        self.n = 0
+        self.held = 0
+        self.reused = 0
+
+    def take(self, Py_ssize_t length):
+        """A writable buffer of exactly ``length`` bytes (contents
+        undefined): a kept block that fits (at most twice the size
+        needed), else fresh memory."""
+        if length <= 0:
+            raise ValueError(f"BufferPool.take: length must be > 0, got {length}")
+        cdef size_t need = _pages(<size_t>length)
+        cdef int i, best = -1
+        for i in range(self.n):
+            if self.sizes[i] >= need and self.sizes[i] <= 2 * need and (
+                    best < 0 or self.sizes[i] < self.sizes[best]):
+                best = i
+        cdef void *p
+        cdef size_t size
+        if best >= 0:
+            p, size = self.blocks[best], self.sizes[best]
+            self._drop(best)
+            self.reused += 1
+        else:
+            size = need
+            p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if p == MAP_FAILED:
+                raise MemoryError(f"fastmq: cannot map {length} bytes for a received frame")
+            if size >= HUGE_PAGE:
+                madvise(p, size, MADV_HUGEPAGE)   # advice only: no error to act on
+        cdef PooledBuffer b = PooledBuffer.__new__(PooledBuffer)
+        b.p, b.size, b.length, b.pool = <char *>p, size, length, self
+        return b
+
+    cdef void _drop(self, int i):
+        self.held -= self.sizes[i]
+        self.n -= 1
+        self.blocks[i] = self.blocks[self.n]
+        self.sizes[i] = self.sizes[self.n]
+
+    cdef void give_back(self, void *p, size_t size):
+        # A block larger than the whole cap goes back to the kernel; else
+        # kept blocks make room for it (the newest is the likeliest to be
+        # asked for again: the same tensor shape, step after step).
+        if size > self.cap:
+            munmap(p, size)
+            return
+        while self.n and (self.n == MAX_FREE or self.held + size > self.cap):
+            munmap(self.blocks[0], self.sizes[0])
+            self._drop(0)
+        self.blocks[self.n] = p
+        self.sizes[self.n] = size
+        self.n += 1
+        self.held += size
+
+    @property
+    def held_bytes(self):
+        """Bytes kept for reuse now."""
+        return self.held
+
+    def close(self):
+        """Give every kept block back to the kernel; later returns are not
+        kept either."""
+        self.cap = 0
+        while self.n:
+            munmap(self.blocks[self.n - 1], self.sizes[self.n - 1])
+            self._drop(self.n - 1)
+
+    def __dealloc__(self):
+        self.close()
+
+
+cdef class PooledBuffer:
+    """Writable memory of one received frame (buffer protocol, ``len``)."""
+
+    cdef char *p
+    cdef size_t size
+    cdef size_t length
+    cdef BufferPool pool
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        PyBuffer_FillInfo(view, self, self.p, self.length, 0, flags)
+
+    def __len__(self):
+        return self.length
+
+    def __dealloc__(self):
+        if self.p != NULL:
+            if self.pool is not None:
+                self.pool.give_back(self.p, self.size)
+            else:
+                munmap(self.p, self.size)
+            self.p = NULL

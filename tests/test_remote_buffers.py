@@ -1,0 +1,136 @@
+"""A remote reader's receive buffers for large frames: memory a dropped
+tensor gave back is reused for the next frame, and never while the caller
+can still see it."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fastmq import MessageQueue
+from fastmq._pool import BufferPool
+
+MiB = 1 << 20
+
+
+def _addr(buf) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def test_a_buffer_has_exactly_the_length_asked_and_is_writable():
+    pool = BufferPool(64 * MiB)
+    b = pool.take(3 * MiB + 5)
+    assert len(b) == 3 * MiB + 5
+    mv = memoryview(b)
+    assert (mv.nbytes, mv.readonly) == (3 * MiB + 5, False)
+    mv[-1] = 7
+    assert mv[-1] == 7
+
+
+def test_memory_comes_back_only_when_the_last_view_is_gone():
+    pool = BufferPool(64 * MiB)
+    b = pool.take(4 * MiB)
+    addr = _addr(b)
+    t = torch.frombuffer(b, dtype=torch.uint8)
+    t.fill_(1)
+    del b
+    gc.collect()
+    assert pool.held_bytes == 0          # the tensor still sees it
+    other = pool.take(4 * MiB)
+    assert _addr(other) != addr
+    memoryview(other)[:] = b"\x02" * (4 * MiB)
+    assert int(t.sum()) == 4 * MiB       # untouched by the new frame
+    del t
+    gc.collect()
+    assert pool.held_bytes == 4 * MiB
+    again = pool.take(4 * MiB - 100)     # about the same size: reused
+    assert _addr(again) == addr and pool.reused == 1 and pool.held_bytes == 0
+
+
+def test_the_pool_keeps_no_more_than_its_cap():
+    pool = BufferPool(8 * MiB)
+    big = pool.take(16 * MiB)
+    del big                              # larger than the whole cap
+    assert pool.held_bytes == 0
+    blocks = [pool.take(4 * MiB) for _ in range(3)]
+    del blocks
+    assert pool.held_bytes == 8 * MiB    # two of the three kept
+    small = pool.take(1 * MiB)           # a 4 MiB block is too big to lend for it
+    assert pool.reused == 0
+    del small
+    pool.close()
+    assert pool.held_bytes == 0
+    after = pool.take(2 * MiB)
+    del after                            # a closed pool keeps nothing
+    assert pool.held_bytes == 0
+
+
+@pytest.mark.parametrize("length", [0, -1])
+def test_a_bad_length_is_refused(length):
+    with pytest.raises(ValueError, match="length"):
+        BufferPool(MiB).take(length)
+
+
+def _remote_pair(**kw):
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1", **kw)
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    r.wait_until_ready()
+    t.join(10)
+    return w, r
+
+
+def _tensor(i: int) -> torch.Tensor:
+    return torch.full((3 * MiB // 8,), i, dtype=torch.int64)
+
+
+def test_a_remote_reader_reuses_dropped_frames_and_keeps_live_ones_intact():
+    w, r = _remote_pair()
+    try:
+        kept = []
+        for i in range(4):               # the caller holds every tensor
+            w.enqueue(_tensor(i))
+            kept.append(r.dequeue(timeout=10))
+        assert r.remote_socket.buffers.reused == 0
+        for i, t in enumerate(kept):
+            assert torch.equal(t, _tensor(i))
+        del kept, t
+        gc.collect()
+        for i in range(4, 8):            # dropped at once: the memory goes round
+            w.enqueue(_tensor(i))
+            got = r.dequeue(timeout=10)
+            assert torch.equal(got, _tensor(i))
+            del got
+        assert r.remote_socket.buffers.reused >= 3
+    finally:
+        r.shutdown()
+        w.shutdown()
+
+
+def test_keeping_no_buffers_is_a_setting(monkeypatch):
+    monkeypatch.setenv("FASTMQ_REMOTE_BUFFERS_MB", "0")
+    w, r = _remote_pair()
+    try:
+        for i in range(3):
+            w.enqueue(np.full(MiB, i, dtype=np.uint8))
+            assert int(r.dequeue(timeout=10)[0]) == i
+        assert r.remote_socket.buffers.reused == 0
+        assert r.remote_socket.buffers.held_bytes == 0
+    finally:
+        r.shutdown()
+        w.shutdown()
+
+
+def test_a_bad_setting_is_named(monkeypatch):
+    monkeypatch.setenv("FASTMQ_REMOTE_BUFFERS_MB", "lots")
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match="FASTMQ_REMOTE_BUFFERS_MB"):
+            MessageQueue.create_from_handle(w.export_handle(), 0)
+    finally:
+        w.shutdown()
