@@ -16,9 +16,9 @@ DEBUG = os.environ.get("FASTMQ_DEBUG", "0") == "1"
 # times over.
 compile_args = ["-O0", "-g", "-fsanitize=address"] if DEBUG else ["-O3", "-g0"]
 link_args = ["-fsanitize=address"] if DEBUG else ["-Wl,-s"]
-libraries = ["rt"] if sys.platform.startswith("linux") else []
+libraries = ["rt", "dl"] if sys.platform.startswith("linux") else []
 
-MODULES = ["_shm", "_sink", "_pool", "_ring", "_arena", "_floor"]
+MODULES = ["_shm", "_sink", "_pool", "_gmac", "_ring", "_arena", "_floor"]
 
 
 def ext(name):

@@ -254,3 +254,55 @@ def test_a_reader_of_vllms_own_queue_is_named():
             w.wait_until_ready()
     finally:
         ctx.destroy(linger=0)
+
+
+def test_small_tags_are_gcms_whichever_library_computes_them():
+    """Small messages and headers are tagged through the process's
+    libcrypto with a kept context (fastmq._gmac); the tags must be exactly
+    the `cryptography` ones, since either end may compute them either way."""
+    import random
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from fastmq._gmac import Gmac, available
+
+    assert available()     # this machine's Python has a libcrypto
+    rng = random.Random(7)
+    for _ in range(200):
+        key = rng.randbytes(32)
+        seq, index = rng.getrandbits(64), rng.getrandbits(32)
+        parts = [rng.randbytes(rng.choice([0, 1, 15, 16, 17, 1000, 70_000]))
+                 for _ in range(rng.randint(0, 10))]
+        want = AESGCM(key).encrypt(struct.pack("<QI", seq, index), b"", b"".join(parts))
+        g = Gmac(key)
+        assert g.tag(seq, index, parts) == want
+        assert g.check(seq, index, [memoryview(b"".join(parts))], want)
+        bad = bytearray(want)
+        bad[rng.randrange(16)] ^= 1 << rng.randrange(8)
+        assert not g.check(seq, index, parts, bytes(bad))
+        assert not g.check(seq, index, parts, want[:15])
+        if parts and any(parts):
+            i = next(k for k, p in enumerate(parts) if p)
+            changed = list(parts)
+            changed[i] = bytes([parts[i][0] ^ 1]) + parts[i][1:]
+            assert not g.check(seq, index, changed, want)
+        assert not g.check(seq + 1, index, parts, want)
+    with pytest.raises(ValueError, match="32 bytes"):
+        Gmac(b"short")
+
+
+def test_an_end_tagging_through_cryptography_reads_and_is_read():
+    """Where no libcrypto loads, an end tags through `cryptography`: the
+    two kinds of end talk to each other, both ways."""
+    key = _seal.new_key()
+    fast, slow = _seal.Seal("mac", key), _seal.Seal("mac", key)
+    slow._gmac = None
+    assert fast._gmac is not None
+    header, body = b"h" * 28, memoryview(b"b" * 3000)
+    for a, b in ((fast, slow), (slow, fast)):
+        wire = memoryview(b"".join(bytes(p) for p in a.seal_whole(9, header, [body])))
+        assert bytes(b.open_whole(9, wire, len(header), len(body))) == bytes(body)
+        assert b.open_whole(10, wire, len(header), len(body)) is None
+        assert b.check_header(9, header, a.tag_header(9, header))
+        assert not b.check_header(9, header[:-1] + b"x", a.tag_header(9, header))
