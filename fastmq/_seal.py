@@ -195,9 +195,15 @@ class Seal:
             return [self._aead.encrypt(nonce, part, None)]
         return [part, self._aead.encrypt(nonce, b"", part)]
 
-    def check(self, seq: int, index: int, part, tag) -> bool:
-        """Whether ``tag`` is the writer's for ``part`` (``"mac"``)."""
-        return self._check(_NONCE.pack(seq, index), part, tag)
+    def tag(self, seq: int, index: int, part) -> bytes:
+        """The tag segment ``index`` of message ``seq`` must carry
+        (``"mac"``): a reader computes it as soon as the segment is in,
+        while the writer's tag is still on its way, and then ``matches``."""
+        return self._aead.encrypt(_NONCE.pack(seq, index), b"", part)
+
+    @staticmethod
+    def matches(expected: bytes, tag) -> bool:
+        return hmac.compare_digest(expected, bytes(tag))
 
     def decrypt_into(self, seq: int, index: int, wire, out: memoryview) -> bool:
         """``"encrypt"``: check ``wire`` (ciphertext and tag) and leave the

@@ -529,16 +529,35 @@ class Outgoing:
                               for v in views for off in range(0, len(v), SEGMENT_BYTES))
 
     def batches(self):
-        """Lists of wire parts; the first holds the header."""
+        """Lists of wire parts; the first holds the header.
+
+        Under ``"mac"`` the tag of a batch's last segment is computed when
+        the next batch is asked for, that is once the segment was handed
+        to the fastest reader's socket: the reader receives (and checks)
+        the segment while the writer tags it, instead of waiting for the
+        tag before the first byte leaves (for a message of one segment,
+        one of the two passes over it comes off the critical path), and
+        the writer tags bytes the copy into the socket just read."""
         seal, seq = self._seal, self._seq
+        late = seal.tag_bytes and not seal.encrypting
         batch, size, index = self._first, 0, 0
+        last = None     # ("mac") the last segment sent, its tag not yet
         for seg in self._segments:
-            batch += seal.seal(seq, index, seg)
+            if last is not None:
+                batch.append(seal.seal(seq, index - 1, last)[1])
+                last = None
+            if late and size + len(seg) >= SEGMENT_BYTES:
+                batch.append(seg)
+                last = seg
+            else:
+                batch += seal.seal(seq, index, seg)
             index += 1
             size += len(seg)
             if size >= SEGMENT_BYTES:
                 yield batch
                 batch, size = [], 0
+        if last is not None:
+            batch.append(seal.seal(seq, index - 1, last)[1])
         if batch:
             yield batch
 
@@ -804,8 +823,12 @@ class Stream:
                     yield from self._read_into(seg)
                     ok = True
                     if t:
+                        # Tagged before the writer's tag is read: the writer
+                        # sends it after the segment, once it has computed it
+                        # too (Outgoing.batches), and both run at once.
+                        expected = seal.tag(seq, index, seg)
                         yield from self._read_into(memoryview(tag_buf))
-                        ok = seal.check(seq, index, seg, tag_buf)
+                        ok = seal.matches(expected, tag_buf)
                 if not ok:
                     raise self._unauthentic(seq)
                 index += 1

@@ -306,3 +306,34 @@ def test_an_end_tagging_through_cryptography_reads_and_is_read():
         assert b.open_whole(10, wire, len(header), len(body)) is None
         assert b.check_header(9, header, a.tag_header(9, header))
         assert not b.check_header(9, header[:-1] + b"x", a.tag_header(9, header))
+
+
+def test_a_segments_tag_is_computed_once_the_segment_left():
+    """Under "mac" the first segment goes out before any tag over it is
+    computed (the reader checks it while the writer tags it); the wire is
+    still each segment followed by its tag, which a reader accepts."""
+    import numpy as np
+
+    key = _seal.new_key()
+    seal = _seal.Seal("mac", key)
+    calls = []
+    real = seal.seal
+    seal.seal = lambda seq, index, part: calls.append(index) or real(seq, index, part)
+    payload = np.arange(int(2.5 * _tcp.SEGMENT_BYTES), dtype=np.uint8)
+    batches = _tcp.Outgoing(seal, 1, [payload]).batches()
+    first = next(batches)
+    assert calls == [] and sum(len(memoryview(p)) for p in first[2:]) == _tcp.SEGMENT_BYTES
+    rest = list(batches)
+    assert calls == [0, 1, 2]
+    wire = b"".join(bytes(p) for b in [first, *rest] for p in b)
+    header = first[0]
+    body = wire[len(header) + _seal.TAG_BYTES:]
+    check = _seal.Seal("mac", key)
+    segs = [payload[o:o + _tcp.SEGMENT_BYTES] for o in range(0, len(payload), _tcp.SEGMENT_BYTES)]
+    off = 0
+    for i, seg in enumerate(segs):
+        assert body[off:off + len(seg)] == seg.tobytes()
+        off += len(seg)
+        assert check.matches(check.tag(1, i, seg), body[off:off + _seal.TAG_BYTES])
+        off += _seal.TAG_BYTES
+    assert off == len(body)
