@@ -89,3 +89,25 @@ def stress_reader(handle, rank, seed, out):
     except BaseException as e:  # reported, so the test shows what went wrong
         error = f"{type(e).__name__}: {e}"
     out.send((want, error))
+
+
+def mark_without_payload_then_die(conn) -> None:
+    """A writer whose overflow mark is published but whose payload never
+    comes (a real send puts the payload in the kernel first: this is the
+    case the reader's grace exists for), and whose connection stays open
+    after it died: a process forked from it holds the descriptors, as any
+    child the writer forked would.  Sends the holder's pid, then exits."""
+    from fastmq import MessageQueue, _sockets
+
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4,
+                      enable_shm_tensor_arena=False)
+    conn.send(mq.export_handle())
+    mq.wait_until_ready()
+    _sockets.send_message = lambda *a, **kw: None
+    holder = os.fork()
+    if holder == 0:
+        time.sleep(60)
+        os._exit(0)
+    conn.send(holder)
+    mq.enqueue(b"x" * (1 << 17))     # larger than a chunk: a mark on the ring
+    os._exit(0)

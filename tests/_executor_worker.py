@@ -208,14 +208,13 @@ def round_trips(model_dir: str) -> dict:
     return out
 
 
-def kill_worker(model_dir: str) -> dict:
-    """SIGKILL worker 1 while the engine runs round trips: what the engine
-    raises, how soon, and what is left once the engine has shut down."""
-    executor, _ = _executor(model_dir)
-    pids = [w["pid"] for w in executor.collective_rpc("queues")]
-    victim = pids[1]
-    victim_files = _files_of([victim])
-    killed = threading.Event()
+def kill_during_calls(executor, victim: int, hang_s: float = 30.0) -> dict:
+    """SIGKILL ``victim`` (a worker) a second into a loop of round trips:
+    what the engine raises, how soon after the kill, and how many calls
+    came back first.  Past ``hang_s`` after the kill the engine's queues
+    are shut down, so that a hang is reported (``hung``) instead of
+    hanging the test."""
+    killed, done, gave_up = threading.Event(), threading.Event(), threading.Event()
     t_kill = [0.0]
 
     def kill_soon():
@@ -223,19 +222,37 @@ def kill_worker(model_dir: str) -> dict:
         t_kill[0] = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         killed.set()
+        if not done.wait(hang_s):
+            gave_up.set()
+            for mq in [executor.rpc_broadcast_mq, *executor.response_mqs]:
+                if mq is not None:
+                    mq.shutdown()
 
     threading.Thread(target=kill_soon, daemon=True).start()
-    out = {"engine_pid": os.getpid(), "pids": pids, "victim": victim,
-           "victim_files_before": victim_files}
+    out = {"victim": victim}
     calls = 0
     try:
         while True:
             assert executor.collective_rpc("echo", args=(calls,)) == [calls, calls]
             calls += 1
     except Exception as e:
+        done.set()
         out["raised_after_s"] = time.monotonic() - t_kill[0] if killed.is_set() else None
         out["error"] = f"{type(e).__name__}: {e}"
+    out["hung"] = gave_up.is_set()
     out["calls_before"] = calls
+    return out
+
+
+def kill_worker(model_dir: str) -> dict:
+    """SIGKILL worker 1 while the engine runs round trips: what the engine
+    raises, how soon, and what is left once the engine has shut down."""
+    executor, _ = _executor(model_dir)
+    pids = [w["pid"] for w in executor.collective_rpc("queues")]
+    victim = pids[1]
+    out = {"engine_pid": os.getpid(), "pids": pids,
+           "victim_files_before": _files_of([victim])}
+    out.update(kill_during_calls(executor, victim))
     # vLLM's worker monitor shuts the executor down on its own thread; wait
     # for that (it ends the surviving worker), then shut down as an engine does.
     deadline = time.monotonic() + 120

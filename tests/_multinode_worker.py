@@ -27,8 +27,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
-import time
 
 import _executor_worker as ew
 
@@ -129,39 +127,7 @@ def round_trips(executor) -> dict:
 def kill_remote_worker(executor, workers) -> dict:
     """SIGKILL worker 1 (node 1) while the engine runs round trips: what the
     engine raises and how soon, or that it hung."""
-    victim = workers[1]["pid"]
-    killed = threading.Event()
-    gave_up = threading.Event()
-    t_kill = [0.0]
-
-    def kill_soon():
-        time.sleep(1.0)
-        t_kill[0] = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        killed.set()
-        # Past the wait, wake the engine so that the test reports a hang
-        # instead of hanging itself.
-        if not done.wait(KILL_WAIT_S):
-            gave_up.set()
-            for mq in [executor.rpc_broadcast_mq, *executor.response_mqs]:
-                if mq is not None:
-                    mq.shutdown()
-
-    done = threading.Event()
-    threading.Thread(target=kill_soon, daemon=True).start()
-    out = {"victim": victim}
-    calls = 0
-    try:
-        while True:
-            assert executor.collective_rpc("echo", args=(calls,)) == [calls, calls]
-            calls += 1
-    except Exception as e:
-        done.set()
-        out["raised_after_s"] = time.monotonic() - t_kill[0] if killed.is_set() else None
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["hung"] = gave_up.is_set()
-    out["calls_before"] = calls
-    return out
+    return ew.kill_during_calls(executor, workers[1]["pid"], KILL_WAIT_S)
 
 
 def engine(*phases: str) -> None:

@@ -169,7 +169,7 @@ def test_writer_gone_right_after_overflow_enqueue(procs, how):
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_remote_writer_gone_right_after_enqueue(procs, how):
-    """The same over TCP, with CURVE (the default) encrypting every frame."""
+    """The same over TCP, every message authenticated (the default)."""
     sizes = [100, 32_000_000, 300]
     for trial in range(3 if how == "kill" else 1):
         parent, child = mp.Pipe()
@@ -326,3 +326,26 @@ def test_stress_mixed_paths_timeouts_and_shutdown(procs, mode):
     for count, error in results:
         assert error is None, error
         assert count == returned
+
+
+def test_a_mark_whose_payload_never_comes_ends_in_an_error(procs):
+    """A dead writer whose connection never closes (a process it forked
+    holds it) and whose overflow payload never came: the reader gives the
+    payload a grace, then raises that the writer died, instead of waiting
+    for the connection to close forever."""
+    parent, child = mp.Pipe()
+    procs.start(dc.mark_without_payload_then_die, child)
+    r = MessageQueue.create_from_handle(parent.recv(), 0)
+    r.wait_until_ready()
+    holder = parent.recv()
+    try:
+        with pytest.raises(RuntimeError, match="died"):
+            r.dequeue(timeout=30)
+    finally:
+        try:
+            os.kill(holder, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    procs.join_all(10)
+    del r
+    gc.collect()

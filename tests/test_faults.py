@@ -1,5 +1,5 @@
 """Faults and hostile input: dead peers, long-wait logs, data in flight,
-the /dev/shm budget, CURVE on the remote path, owner-only files."""
+the /dev/shm budget, the remote path, owner-only files."""
 from __future__ import annotations
 
 import logging
