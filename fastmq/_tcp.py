@@ -544,7 +544,7 @@ class Outgoing:
         last = None     # ("mac") the last segment sent, its tag not yet
         for seg in self._segments:
             if last is not None:
-                batch.append(seal.seal(seq, index - 1, last)[1])
+                batch.append(seal.tag(seq, index - 1, last))
                 last = None
             if late and size + len(seg) >= SEGMENT_BYTES:
                 batch.append(seg)
@@ -557,7 +557,7 @@ class Outgoing:
                 yield batch
                 batch, size = [], 0
         if last is not None:
-            batch.append(seal.seal(seq, index - 1, last)[1])
+            batch.append(seal.tag(seq, index - 1, last))
         if batch:
             yield batch
 

@@ -9,10 +9,14 @@ import time
 from fastmq import MessageQueue
 
 
-def local_pair(n_local: int = 1, **kw):
-    """A writer and ``n_local`` in-process readers, handshaken.  The handle
-    goes through pickle, as it does between processes."""
-    w = MessageQueue(n_local, n_local, **kw)
+def local_pair(n_local: int = 1, n_remote: int = 0, **kw):
+    """A writer and ``n_local`` in-process local readers (ranks first),
+    then ``n_remote`` remote ones over loopback TCP, handshaken.  The
+    handle goes through pickle, as it does between processes."""
+    n_local += n_remote
+    if n_remote:
+        kw.setdefault("connect_ip", "127.0.0.1")
+    w = MessageQueue(n_local, n_local - n_remote, **kw)
     h = pickle.loads(pickle.dumps(w.export_handle()))
     rs = [MessageQueue.create_from_handle(h, r) for r in range(n_local)]
     t = threading.Thread(target=w.wait_until_ready)

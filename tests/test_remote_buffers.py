@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import threading
 
 import numpy as np
 import pytest
@@ -13,6 +12,8 @@ import torch
 
 from fastmq import MessageQueue
 from fastmq._pool import BufferPool
+
+from _queues import local_pair
 
 MiB = 1 << 20
 
@@ -76,12 +77,7 @@ def test_a_bad_length_is_refused(length):
 
 
 def _remote_pair(**kw):
-    w = MessageQueue(1, 0, connect_ip="127.0.0.1", **kw)
-    r = MessageQueue.create_from_handle(w.export_handle(), 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
+    w, (r,) = local_pair(0, n_remote=1, **kw)
     return w, r
 
 

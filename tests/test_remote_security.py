@@ -317,8 +317,10 @@ def test_a_segments_tag_is_computed_once_the_segment_left():
     key = _seal.new_key()
     seal = _seal.Seal("mac", key)
     calls = []
-    real = seal.seal
-    seal.seal = lambda seq, index, part: calls.append(index) or real(seq, index, part)
+    for name in ("seal", "tag"):     # every way a segment gets its tag
+        real = getattr(seal, name)
+        setattr(seal, name, lambda seq, index, part, real=real:
+                calls.append(index) or real(seq, index, part))
     payload = np.arange(int(2.5 * _tcp.SEGMENT_BYTES), dtype=np.uint8)
     batches = _tcp.Outgoing(seal, 1, [payload]).batches()
     first = next(batches)
