@@ -157,6 +157,7 @@ def test_a_killed_worker_is_named_and_its_files_removed(fastmq_run):
     k = fastmq_run[0]["kill_worker"]
     print(f"engine raised {k['raised_after_s']} s after the SIGKILL: {k['error']}")
     assert k["calls_before"] > 0
+    assert not k["hung"], k
     assert k["raised_after_s"] is not None, k
     assert k["error"].startswith("RuntimeError: fastmq: "), k["error"]
     assert f"pid {k['victim']}" in k["error"], k["error"]
