@@ -162,7 +162,9 @@ class Seal:
             nonce = _NONCE.pack(seq, HEADER_INDEX)
             return [header, self._aead.encrypt(nonce, b"".join(views), header)]
         if self._gmac is not None:
-            return [header, *views, self._gmac.tag(seq, HEADER_INDEX, [header, *views])]
+            wire = [header, *views]
+            wire.append(self._gmac.tag(seq, HEADER_INDEX, wire))
+            return wire
         blob = b"".join([header, *views])
         return [blob, self._aead.encrypt(_NONCE.pack(seq, HEADER_INDEX), b"", blob)]
 
@@ -203,7 +205,7 @@ class Seal:
 
     @staticmethod
     def matches(expected: bytes, tag) -> bool:
-        return hmac.compare_digest(expected, bytes(tag))
+        return hmac.compare_digest(expected, tag)
 
     def decrypt_into(self, seq: int, index: int, wire, out: memoryview) -> bool:
         """``"encrypt"``: check ``wire`` (ciphertext and tag) and leave the
