@@ -591,6 +591,7 @@ class Stream:
         # fastmq._pool: fresh pages cost as much as receiving into them).
         self.buffers = BufferPool(keep_bytes)
         self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
+        self._received = 0   # bytes received so far (how _drive sees progress)
         self._seq = 0
 
     # -- waiting ---------------------------------------------------------------------
@@ -602,13 +603,18 @@ class Stream:
         wakeup of a sleeping process, which on loopback costs more than
         the message itself."""
         spin_until = None
+        seen = -1
         while True:
             try:
                 next(gen)
             except StopIteration as s:
                 return s.value
             now = time.perf_counter()
-            if spin_until is None:
+            if self._received != seen:
+                # Bytes keep coming (a large message): the next ones are a
+                # socket buffer's drain away, not a step away, so the
+                # window restarts rather than each refill costing a wakeup.
+                seen = self._received
                 spin_until = now + self.spin_s
             if now < spin_until:
                 # Give the core back to a writer or reader sharing it (more
@@ -640,6 +646,7 @@ class Stream:
             raise PeerGone(str(e)) from e
         if k == 0:
             raise PeerGone("closed")
+        self._received += k
         return k
 
     def _take(self, n: int) -> memoryview:

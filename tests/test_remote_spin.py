@@ -1,0 +1,97 @@
+"""A remote reader's spin window: it spins (yielding its core) before it
+waits in the kernel, and while the bytes of a message keep coming the
+window restarts, so a large message is not taken one kernel wakeup per
+socket-buffer refill."""
+from __future__ import annotations
+
+import threading
+import time
+
+from fastmq import _seal, _tcp
+
+MiB = 1 << 20
+
+
+class _Open:
+    shutting_down = False
+
+
+def _connected_pair(spin_s: float):
+    seal = _seal.Seal("none", None)
+    fan = _tcp.Fanout("127.0.0.1", False, seal)
+    stream = _tcp.Stream(fan.address, False, seal, 0)
+    stream.spin_s = spin_s
+    stream.start_hello(_Open())
+    deadline = time.monotonic() + 10
+    while not fan.handshake_step(1):
+        assert time.monotonic() < deadline, "the handshake did not complete"
+        time.sleep(0.001)
+    stream.handshake(_Open())
+    return fan, stream
+
+
+def _waits_during(stream, monkeypatch, send) -> tuple[list, int]:
+    """The frames ``stream`` receives while ``send`` runs in a thread, and
+    how many times it waited in the kernel meanwhile."""
+    waits = 0
+    real_wait = _tcp._wait
+
+    def counting_wait(*args):
+        nonlocal waits
+        waits += 1
+        return real_wait(*args)
+
+    monkeypatch.setattr(_tcp, "_wait", counting_wait)
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        frames = stream.recv(time.monotonic() + 30, _Open())
+    finally:
+        t.join()
+    return frames, waits
+
+
+def test_the_window_restarts_while_a_large_message_keeps_arriving(monkeypatch):
+    fan, stream = _connected_pair(spin_s=0.2)
+    try:
+        payload = bytes(range(256)) * (2 * MiB // 256)
+        wire = b"".join(bytes(p) for batch in
+                        _tcp.Outgoing(fan.seal, 1, [payload]).batches() for p in batch)
+        sock = fan.readers[0].sock
+        sock.setblocking(True)
+
+        def send():
+            # 64 pieces, 10 ms apart: 0.6 s in all, three spin windows, but
+            # never a gap of one.
+            step = -(-len(wire) // 64)
+            for off in range(0, len(wire), step):
+                sock.sendall(wire[off:off + step])
+                time.sleep(0.01)
+
+        frames, waits = _waits_during(stream, monkeypatch, send)
+        assert bytes(frames[0]) == payload
+        # Counted: without the restart, every gap after the first 0.2 s is a
+        # kernel wait (about 40 of them).
+        assert waits <= 5, waits
+    finally:
+        stream.close()
+        fan.close()
+
+
+def test_a_reader_idle_past_its_window_waits_in_the_kernel(monkeypatch):
+    fan, stream = _connected_pair(spin_s=0.01)
+    try:
+        wire = b"".join(bytes(p) for batch in
+                        _tcp.Outgoing(fan.seal, 1, [b"late"]).batches() for p in batch)
+        sock = fan.readers[0].sock
+
+        def send():
+            time.sleep(0.5)
+            sock.sendall(wire)
+
+        frames, waits = _waits_during(stream, monkeypatch, send)
+        assert bytes(frames[0]) == b"late"
+        assert waits >= 1    # it parked rather than spin for half a second
+    finally:
+        stream.close()
+        fan.close()
