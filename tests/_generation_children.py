@@ -87,6 +87,71 @@ def front(a) -> int:
     return 0
 
 
+def _two_node_args() -> dict:
+    """What both nodes of a two-node run pass to vLLM: TP=2 over
+    ``nnodes=2`` (one worker per node), rendezvous on 127.0.0.1."""
+    return {"nnodes": 2, "master_addr": "127.0.0.1",
+            "master_port": int(os.environ["FASTMQ_TEST_MASTER_PORT"])}
+
+
+def node0(a) -> int:
+    """Node 0 of two: the front process, whose engine core starts worker 0
+    here and reaches worker 1 on node 1; generate, then exit with the engine
+    alive (the process exit is the shutdown)."""
+    from fastmq.bench import generate as g
+
+    os.environ.update({k: v for k, v in g.ENGINE_ENV.items() if k not in os.environ})
+    llm = g.make_llm(os.environ["FASTMQ_TEST_MODEL_DIR"], 2, node_rank=0,
+                     **_two_node_args())
+    result: dict = {"queue": g.queue_class()}
+    pids = g.engine_pids()
+    pids["front"] = os.getpid()
+    with open(a.pids, "w") as f:
+        json.dump(pids, f)
+    print("PIDS " + json.dumps(pids), flush=True)
+    result["pids"] = pids
+    result["tokens"] = {str(n): g.generate(llm, g.PROMPTS[:n], 16) for n in (1, 4)}
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def node1(a) -> int:
+    """Node 1 of two, as ``vllm serve --nnodes 2 --node-rank 1 --headless``
+    runs it: vLLM's executor with worker 1, then its worker monitor, until
+    the node is stopped (SIGTERM)."""
+    from fastmq.bench import generate as g
+
+    os.environ.update({k: v for k, v in g.ENGINE_ENV.items() if k not in os.environ})
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    def stop(signum, frame):
+        raise SystemExit
+
+    signal.signal(signal.SIGTERM, stop)
+    args = EngineArgs(model=os.environ["FASTMQ_TEST_MODEL_DIR"], load_format="dummy",
+                      skip_tokenizer_init=True, tensor_parallel_size=2,
+                      distributed_executor_backend="mp", dtype="float32",
+                      enforce_eager=True, max_model_len=256, seed=0, node_rank=1,
+                      **_two_node_args())
+    executor = MultiprocExecutor(args.create_engine_config(headless=True),
+                                 monitor_workers=False)
+    pids = {"front": os.getpid(), "engine": os.getpid(),
+            "workers": [w.proc.pid for w in executor.workers]}
+    with open(a.pids, "w") as f:
+        json.dump(pids, f)
+    print("PIDS " + json.dumps(pids), flush=True)
+    result = {"queue": g.queue_class(), "pids": pids, "stopped": False}
+    try:
+        executor.start_worker_monitor(inline=True)
+    except SystemExit:
+        result["stopped"] = True
+    finally:
+        executor.shutdown()
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -133,13 +198,13 @@ def inspect(a) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("front", "inspect"))
+    ap.add_argument("mode", choices=("front", "node0", "node1", "inspect"))
     ap.add_argument("--then", default="exit")
     ap.add_argument("--pids", required=True)
     ap.add_argument("--wait", type=float, default=60.0)
     ap.add_argument("--kill-orphans", action="store_true")
     a = ap.parse_args()
-    return front(a) if a.mode == "front" else inspect(a)
+    return {"front": front, "node0": node0, "node1": node1, "inspect": inspect}[a.mode](a)
 
 
 if __name__ == "__main__":
