@@ -1,12 +1,19 @@
-"""GMAC tags for the remote path's small parts (a small message, a large
-message's header), with one cipher context per key, kept.
+"""GMAC tags for the remote path, with the key's state kept per key.
 
-``fastmq._seal`` uses a ``Gmac`` where ``available()`` says the process's
-libcrypto could be loaded (``fastmq/_native/fmq_gmac.h``), and the
-``cryptography`` package otherwise; the tags are the same either way (GCM
-with the bytes as associated data, nonce = sequence number (u64) and index
-(u32), little-endian).  Large segments keep ``cryptography``, whose
-bundled OpenSSL hashes long runs faster than an older system one.
+Two engines compute the same tags (GCM with the bytes as associated data,
+nonce = sequence number (u64) and index (u32), little-endian), identical
+to `cryptography`'s ``AESGCM(key).encrypt(nonce, b"", data)``:
+
+* ``"cpu"``: the CPU's AES and carry-less multiply instructions
+  (``fastmq/_native/fmq_aesgmac.h``; x86-64 with AES-NI and PCLMULQDQ, and
+  an AVX-512 loop for long runs where the CPU has VPCLMULQDQ), the default
+  where it can run: tens of nanoseconds a call, and long runs without the
+  GIL;
+* ``"libcrypto"``: the process's libcrypto loaded at run time
+  (``fastmq/_native/fmq_gmac.h``), with one cipher context per key.
+
+``fastmq._seal`` uses a ``Gmac`` where ``available()`` says one of them
+runs, and the ``cryptography`` package otherwise.
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
@@ -14,33 +21,72 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from fastmq._native.gmac cimport (FMQ_GMAC_KEY_BYTES, FMQ_GMAC_NONCE_BYTES, FMQ_GMAC_TAG_BYTES,
-                                  fmq_evp_ctx, fmq_gmac_equal, fmq_gmac_free, fmq_gmac_load,
-                                  fmq_gmac_new, fmq_gmac_tag)
+                                  fmq_aesgmac, fmq_aesgmac_cpu, fmq_aesgmac_free,
+                                  fmq_aesgmac_narrow, fmq_aesgmac_new, fmq_aesgmac_wide, fmq_ag_tag, fmq_evp_ctx,
+                                  fmq_gmac_equal, fmq_gmac_free, fmq_gmac_load, fmq_gmac_new,
+                                  fmq_gmac_tag)
 
 cdef enum:
     INLINE_PARTS = 8
+    # ("cpu") Tags over this many bytes or more are computed without the GIL.
+    NOGIL_BYTES = 256 * 1024
 
 
 def available():
-    """Whether this process's libcrypto could be loaded for ``Gmac``."""
-    return fmq_gmac_load() == 0
+    """Whether a ``Gmac`` can be made here (either engine)."""
+    return bool(fmq_aesgmac_cpu()) or fmq_gmac_load() == 0
+
+
+def engines():
+    """The engines that run here, preferred first."""
+    out = []
+    if fmq_aesgmac_cpu():
+        out.append("cpu")
+    if fmq_gmac_load() == 0:
+        out.append("libcrypto")
+    return out
 
 
 cdef class Gmac:
-    """``Gmac(key)``: tags under one 32-byte AES-256 key."""
+    """``Gmac(key, engine=None, wide=True)``: tags under one 32-byte AES-256
+    key; ``engine`` is ``"cpu"`` or ``"libcrypto"`` (default: the first of
+    ``engines()``); ``wide=False`` keeps the ``"cpu"`` engine off its
+    AVX-512 loop (``wide`` says whether it runs it)."""
 
     cdef fmq_evp_ctx *ctx
+    cdef fmq_aesgmac *cpu
+    cdef readonly str engine
+    cdef readonly bint wide
 
-    def __cinit__(self, bytes key not None):
+    def __cinit__(self, bytes key not None, engine=None, bint wide=True):
         if len(key) != FMQ_GMAC_KEY_BYTES:
             raise ValueError(f"Gmac: the key must be {FMQ_GMAC_KEY_BYTES} bytes, got {len(key)}")
-        if fmq_gmac_load() != 0:
-            raise RuntimeError("Gmac: no libcrypto (OpenSSL 1.1 or 3) could be loaded")
-        self.ctx = fmq_gmac_new(<const unsigned char *>PyBytes_AS_STRING(key))
-        if self.ctx == NULL:
-            raise MemoryError("Gmac: libcrypto could not set up an AES-256-GCM context")
+        here = engines()
+        if engine is None:
+            if not here:
+                raise RuntimeError("Gmac: this CPU has no AES/carry-less multiply instructions "
+                                   "and no libcrypto (OpenSSL 1.1 or 3) could be loaded")
+            engine = here[0]
+        elif engine not in ("cpu", "libcrypto"):
+            raise ValueError(f"Gmac: engine {engine!r} is not 'cpu' or 'libcrypto'")
+        elif engine not in here:
+            raise RuntimeError(f"Gmac: engine {engine!r} does not run here")
+        self.engine = engine
+        if engine == "cpu":
+            self.cpu = fmq_aesgmac_new(<const unsigned char *>PyBytes_AS_STRING(key))
+            if self.cpu == NULL:
+                raise MemoryError("Gmac: no memory for the key's state")
+            if not wide:
+                fmq_aesgmac_narrow(self.cpu)
+            self.wide = fmq_aesgmac_wide(self.cpu)
+        else:
+            self.ctx = fmq_gmac_new(<const unsigned char *>PyBytes_AS_STRING(key))
+            if self.ctx == NULL:
+                raise MemoryError("Gmac: libcrypto could not set up an AES-256-GCM context")
 
     def __dealloc__(self):
+        fmq_aesgmac_free(self.cpu)
+        self.cpu = NULL
         fmq_gmac_free(self.ctx)
         self.ctx = NULL
 
@@ -54,6 +100,7 @@ cdef class Gmac:
         cdef const unsigned char **ptrs = inline_ptrs
         cdef size_t *lens = inline_lens
         cdef int rc
+        cdef size_t total = 0
         if n > INLINE_PARTS:
             views = <Py_buffer *>malloc(n * sizeof(Py_buffer))
             ptrs = <const unsigned char **>malloc(n * sizeof(void *))
@@ -71,7 +118,20 @@ cdef class Gmac:
                 got += 1
                 ptrs[i] = <const unsigned char *>views[i].buf
                 lens[i] = <size_t>views[i].len
-            rc = fmq_gmac_tag(self.ctx, nonce, ptrs, lens, <int>n, out)
+                total += lens[i]
+            if self.cpu != NULL:
+                # The key's state is only read: other threads may tag at
+                # once; the views hold the buffers while the GIL is let go.
+                rc = 0
+                if total >= NOGIL_BYTES:
+                    with nogil:
+                        fmq_ag_tag(self.cpu, nonce, ptrs, lens, <int>n, out)
+                else:
+                    fmq_ag_tag(self.cpu, nonce, ptrs, lens, <int>n, out)
+            else:
+                # A kept EVP context is not for two threads at once: the
+                # GIL stays held.
+                rc = fmq_gmac_tag(self.ctx, nonce, ptrs, lens, <int>n, out)
         finally:
             for i in range(got):
                 PyBuffer_Release(&views[i])

@@ -256,27 +256,39 @@ def test_a_reader_of_vllms_own_queue_is_named():
         ctx.destroy(linger=0)
 
 
-def test_small_tags_are_gcms_whichever_library_computes_them():
-    """Small messages and headers are tagged through the process's
-    libcrypto with a kept context (fastmq._gmac); the tags must be exactly
-    the `cryptography` ones, since either end may compute them either way."""
+_GMAC_KINDS = [("cpu", True), ("cpu", False), ("libcrypto", True)]
+
+
+@pytest.mark.parametrize("engine,wide", _GMAC_KINDS, ids=["cpu", "cpu-128-bit", "libcrypto"])
+def test_tags_are_gcms_whichever_engine_computes_them(engine, wide):
+    """fastmq._gmac's engines (the CPU's AES and carry-less multiply, with
+    and without the AVX-512 loop; the process's libcrypto) must give
+    exactly `cryptography`'s tags, since either end may compute them
+    either way: lengths around every block, run and loop boundary, parts
+    that split blocks, unaligned views."""
     import random
     import struct
 
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from fastmq._gmac import Gmac, available
+    from fastmq._gmac import Gmac, engines
 
-    assert available()     # this machine's Python has a libcrypto
+    # This machine (x86-64 with AES-NI, a Python with libcrypto) runs both.
+    assert engine in engines()
+    sizes = [0, 1, 15, 16, 17, 127, 128, 129, 1023, 1024, 1025, 2047, 4101, 70_000,
+             (1 << 20) + 3]
     rng = random.Random(7)
-    for _ in range(200):
+    for case in range(200):
         key = rng.randbytes(32)
         seq, index = rng.getrandbits(64), rng.getrandbits(32)
-        parts = [rng.randbytes(rng.choice([0, 1, 15, 16, 17, 1000, 70_000]))
-                 for _ in range(rng.randint(0, 10))]
+        parts = [rng.randbytes(rng.choice(sizes[:-1] if case % 10 else sizes))
+                 for _ in range(rng.randint(0, 8))]
+        if parts and case % 3 == 0:     # a view that starts at an odd address
+            parts[0] = memoryview(b"x" + bytes(parts[0]))[1:]
         want = AESGCM(key).encrypt(struct.pack("<QI", seq, index), b"", b"".join(parts))
-        g = Gmac(key)
-        assert g.tag(seq, index, parts) == want
+        g = Gmac(key, engine, wide=wide)
+        assert (g.engine, g.wide) == (engine, wide and engine == "cpu" and g.wide)
+        assert g.tag(seq, index, parts) == want, [len(p) for p in parts]
         assert g.check(seq, index, [memoryview(b"".join(parts))], want)
         bad = bytearray(want)
         bad[rng.randrange(16)] ^= 1 << rng.randrange(8)
@@ -285,20 +297,58 @@ def test_small_tags_are_gcms_whichever_library_computes_them():
         if parts and any(parts):
             i = next(k for k, p in enumerate(parts) if p)
             changed = list(parts)
-            changed[i] = bytes([parts[i][0] ^ 1]) + parts[i][1:]
+            changed[i] = bytes([parts[i][0] ^ 1]) + bytes(parts[i][1:])
             assert not g.check(seq, index, changed, want)
         assert not g.check(seq + 1, index, parts, want)
+        assert not g.check(seq, index ^ 1, parts, want)
+
+
+def test_gmac_refuses_a_bad_key_or_engine():
+    from fastmq._gmac import Gmac
+
     with pytest.raises(ValueError, match="32 bytes"):
         Gmac(b"short")
+    with pytest.raises(ValueError, match="engine 'md5'"):
+        Gmac(bytes(32), "md5")
+
+
+def test_large_tags_let_other_threads_run():
+    """The CPU engine tags a long run without the GIL: another Python
+    thread makes progress meanwhile."""
+    import threading
+
+    from fastmq._gmac import Gmac
+
+    g = Gmac(bytes(range(32)), "cpu")
+    data = bytes(64 << 20)
+    ticks, stop = [], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(1)
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        for seq in range(20):
+            before = len(ticks)
+            g.tag(seq, 0, [data])
+            if len(ticks) > before:
+                break
+    finally:
+        stop.set()
+        t.join()
+    assert len(ticks) > before, "no other thread ran while a 64 MiB tag was computed"
 
 
 def test_an_end_tagging_through_cryptography_reads_and_is_read():
-    """Where no libcrypto loads, an end tags through `cryptography`: the
-    two kinds of end talk to each other, both ways."""
+    """Where neither engine of fastmq._gmac runs, an end tags through
+    `cryptography`: the two kinds of end talk to each other, both ways,
+    small messages, headers and large segments alike."""
     key = _seal.new_key()
     fast, slow = _seal.Seal("mac", key), _seal.Seal("mac", key)
-    slow._gmac = None
-    assert fast._gmac is not None
+    slow._gmac = slow._gmac_large = None
+    assert fast._gmac is not None and fast._gmac_large is not None
     header, body = b"h" * 28, memoryview(b"b" * 3000)
     for a, b in ((fast, slow), (slow, fast)):
         wire = memoryview(b"".join(bytes(p) for p in a.seal_whole(9, header, [body])))
@@ -306,6 +356,10 @@ def test_an_end_tagging_through_cryptography_reads_and_is_read():
         assert b.open_whole(10, wire, len(header), len(body)) is None
         assert b.check_header(9, header, a.tag_header(9, header))
         assert not b.check_header(9, header[:-1] + b"x", a.tag_header(9, header))
+        segment = memoryview(bytes(range(256)) * 4099)
+        part, tag = a.seal(9, 3, segment)
+        assert b.matches(b.tag(9, 3, part), tag)
+        assert not b.matches(b.tag(9, 4, part), tag)
 
 
 def test_a_segments_tag_is_computed_once_the_segment_left():
@@ -317,10 +371,8 @@ def test_a_segments_tag_is_computed_once_the_segment_left():
     key = _seal.new_key()
     seal = _seal.Seal("mac", key)
     calls = []
-    for name in ("seal", "tag"):     # every way a segment gets its tag
-        real = getattr(seal, name)
-        setattr(seal, name, lambda seq, index, part, real=real:
-                calls.append(index) or real(seq, index, part))
+    real = seal.tag      # every segment's tag ("mac": seal() tags through it too)
+    seal.tag = lambda seq, index, part: calls.append(index) or real(seq, index, part)
     payload = np.arange(int(2.5 * _tcp.SEGMENT_BYTES), dtype=np.uint8)
     batches = _tcp.Outgoing(seal, 1, [payload]).batches()
     first = next(batches)
