@@ -26,7 +26,8 @@ START_TAG_MASK = 0x7FFFFFFF
 
 
 def is_alive(pid: int, started: int = 0, mask: int = -1) -> bool:
-    """True if ``pid`` runs and (when ``started`` is known) is the same
+    """True if ``pid`` runs (not once every thread of it has exited, even
+    before it is reaped) and, when ``started`` is known, is the same
     process; ``mask`` compares only those bits of the start time."""
     if pid <= 0:
         return False
@@ -40,14 +41,38 @@ def is_alive(pid: int, started: int = 0, mask: int = -1) -> bool:
         now = start_time(pid)
         if now and (now & mask) != started:
             return False
-        # A zombie has exited even though its pid still answers.
+    return not _exited(pid)
+
+
+def _state(path: str) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read()
+    return data[data.rindex(b")") + 2 :].split()[0]
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` is a zombie, exited but not reaped yet (its pid
+    still answers signals).  Its first thread shows as a zombie as soon as
+    that thread has exited, while the process's other threads may still
+    run, or, after a SIGKILL, still be tearing down with its files open:
+    the process has exited once every thread has."""
+    try:
+        if _state(f"/proc/{pid}/stat") not in (b"Z", b"X"):
+            return False
+    except (OSError, ValueError):
+        return False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True    # reaped meanwhile
+    except OSError:
+        return False
+    for tid in tasks:
         try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                data = f.read()
-            if data[data.rindex(b")") + 2 :].split()[0] in (b"Z", b"X"):
+            if _state(f"/proc/{pid}/task/{tid}/stat") not in (b"Z", b"X"):
                 return False
         except (OSError, ValueError):
-            pass
+            pass   # that thread is gone
     return True
 
 

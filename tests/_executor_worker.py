@@ -105,15 +105,12 @@ def _segments_of(mq) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+    """Whether ``pid`` has not finished exiting: a zombie whose threads have
+    all exited is gone, one whose first thread exited while others still
+    run (or are still tearing down after a SIGKILL, files open) is not."""
+    from fastmq._proc import is_alive
+
+    return is_alive(pid)
 
 
 def _tmpdir() -> list[str]:

@@ -153,11 +153,12 @@ def node1(a) -> int:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Whether ``pid`` has not finished exiting: a zombie whose threads have
+    all exited is gone, one whose first thread exited while others still
+    run (or are still tearing down after a SIGKILL, files open) is not."""
+    from fastmq._proc import is_alive
+
+    return is_alive(pid)
 
 
 def inspect(a) -> int:

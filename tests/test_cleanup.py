@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -194,6 +195,81 @@ def test_ipc_socket_still_listening_is_kept():
         srv.close()
     assert path in fastmq.cleanup()          # nobody listens any more
     assert not os.path.exists(path)
+
+
+def _child(code: str) -> tuple[subprocess.Popen, list[str]]:
+    """A Python child running ``code`` (which prints the files it made, one
+    line), and those files; the caller reaps it."""
+    p = subprocess.Popen([sys.executable, "-c", code, TMP], stdout=subprocess.PIPE, text=True)
+    return p, p.stdout.readline().split()
+
+
+_MAKE_FILES = (
+    "import os, secrets, socket, sys\n"
+    "ipc = os.path.join(sys.argv[1], f'fastmq_{os.getpid()}_{secrets.token_hex(6)}.ipc')\n"
+    "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+    "s.bind(ipc)\n"
+    "s.listen(1)\n"
+    "seg = f'/dev/shm/fastmq_{os.getpid()}_arena_{secrets.token_hex(6)}'\n"
+    "open(seg, 'wb').close()\n"
+    "print(ipc, seg, flush=True)\n")
+
+
+def _state(pid: int, tid: int | None = None) -> str:
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    with open(path) as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_for(predicate, what: str) -> None:
+    for _ in range(200):
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_files_of_an_exited_process_not_yet_reaped_are_removed():
+    """A process that exited but that its parent has not reaped (a zombie:
+    its pid still answers signals) owns nothing any more, as with a vLLM
+    engine core killed while its parent is gone or busy: its files go."""
+    p, files = _child(_MAKE_FILES)
+    try:
+        assert len(files) == 2 and all(os.path.exists(f) for f in files)
+        _wait_for(lambda: _state(p.pid) == "Z", "the child to exit")   # not waited for
+        assert not _proc.is_alive(p.pid)
+        removed = set(fastmq.cleanup())
+        assert set(files) <= removed
+        assert not any(os.path.exists(f) for f in files)
+    finally:
+        p.kill()
+        p.wait()
+        for f in files:
+            if os.path.exists(f):
+                os.unlink(f)
+
+
+def test_a_process_whose_main_thread_exited_is_alive_while_a_thread_runs():
+    """The main thread's exit leaves the process's first task a zombie while
+    its other threads run on: that process is alive, and its files stay."""
+    p, files = _child(_MAKE_FILES + (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(120,)).start()\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"))
+    try:
+        _wait_for(lambda: _state(p.pid) == "Z", "the main thread to exit")
+        assert any(_state(p.pid, int(t)) != "Z" for t in os.listdir(f"/proc/{p.pid}/task"))
+        assert _proc.is_alive(p.pid)
+        assert _proc.is_alive(p.pid, _proc.start_time(p.pid))
+        removed = set(fastmq.cleanup())
+        assert not set(files) & removed
+        assert all(os.path.exists(f) for f in files)
+    finally:
+        p.kill()
+        p.wait()
+        for f in files:
+            if os.path.exists(f):
+                os.unlink(f)
 
 
 def test_cli_main_in_process(capsys):
