@@ -113,6 +113,39 @@ def _alive(pid: int) -> bool:
     return is_alive(pid)
 
 
+def _task_states(pid: int) -> dict:
+    """Each thread of ``pid``: its state, name and kernel wait channel (for
+    a failure's message)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError as e:
+        return {"error": repr(e)}
+    for tid in tids:
+        info = []
+        for name in ("stat", "wchan"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                    text = f.read()
+            except OSError as e:
+                text = repr(e)
+            info.append(text.rsplit(")", 1)[-1].split()[0] if name == "stat" and ")" in text
+                        else text.strip())
+        out[tid] = info
+    return out
+
+
+def still_alive(pids, grace: float = 30.0) -> tuple[list, dict]:
+    """The pids of ``pids`` that have not finished exiting ``grace`` seconds
+    from now (a process ends a moment after vLLM's shutdown returns), and
+    their threads' states."""
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in pids if _alive(p)]
+    return alive, {p: _task_states(p) for p in alive}
+
+
 def _tmpdir() -> list[str]:
     """What is left in this process's TMPDIR, less torch's compile cache
     (``torchinductor_<user>``, made by vLLM's import, not by a queue)."""
@@ -190,7 +223,7 @@ def round_trips(model_dir: str) -> dict:
     import gc
 
     gc.collect()
-    out["alive_after_shutdown"] = [p for p in pids if _alive(p)]
+    out["alive_after_shutdown"], out["alive_detail"] = still_alive(pids)
     out["children_after_shutdown"] = _children()
     out["files_after_shutdown"] = _files_of([os.getpid()] + pids)
     # vLLM's own segments are unlinked by its workers and its resource
@@ -260,7 +293,7 @@ def kill_worker(model_dir: str) -> dict:
     import gc
 
     gc.collect()
-    out["alive_after_shutdown"] = [p for p in pids if _alive(p)]
+    out["alive_after_shutdown"], out["alive_detail"] = still_alive(pids)
     out["victim_files_after"] = _files_of([victim])
     out["files_after_shutdown"] = _files_of([os.getpid()] + pids)
     out["tmpdir_after_shutdown"] = _tmpdir()

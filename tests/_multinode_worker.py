@@ -153,7 +153,7 @@ def engine(*phases: str) -> None:
     del executor
     gc.collect()
     # Worker 1 is node 1's: its node reports on it.
-    out["alive_after_shutdown"] = [p for p in pids[:1] if ew._alive(p)]
+    out["alive_after_shutdown"], out["alive_detail"] = ew.still_alive(pids[:1])
     out["leftovers"] = _leftovers([os.getpid(), *pids])
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -183,7 +183,7 @@ def headless() -> None:
         executor.shutdown()
     del executor
     gc.collect()
-    out["alive_after_shutdown"] = [p for p in pids if ew._alive(p)]
+    out["alive_after_shutdown"], out["alive_detail"] = ew.still_alive(pids)
     out["leftovers"] = _leftovers([os.getpid(), *pids])
     print("RESULT " + json.dumps(out), flush=True)
     sys.exit(0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from fastmq import MessageQueue
+from fastmq import MessageQueue, _proc
 from fastmq._ring import READY, WRITER_CLOSED, WRITER_DIED
 
 import _fault_children as children
@@ -162,7 +162,7 @@ def test_reader_removes_the_files_of_a_killed_writer(procs, spawn_ctx):
     left = _files_of(p.pid)
     assert any("_ring_" in f for f in left) and any(f.endswith(".ipc") for f in left), left
     os.kill(p.pid, 9)
-    while _alive_not_zombie(p.pid):
+    while _proc.is_alive(p.pid):   # every thread has exited (not reaped yet)
         time.sleep(0.01)
     assert _files_of(p.pid) == left           # a SIGKILLed process removes nothing
     # What a waiting reader does when its ring says the writer died.
@@ -171,14 +171,6 @@ def test_reader_removes_the_files_of_a_killed_writer(procs, spawn_ctx):
     assert _files_of(p.pid) == []
     del reader
     p.join(10)
-
-
-def _alive_not_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_shut_down_queue_names_a_dead_peer_of_this_process(procs, spawn_ctx):

@@ -141,7 +141,7 @@ def test_arena_is_the_default_for_the_scheduler_broadcast(fastmq_run):
 
 def test_shutdown_leaves_no_process_and_no_file(fastmq_run):
     r = fastmq_run[0]["round_trips"]
-    assert r["alive_after_shutdown"] == []
+    assert r["alive_after_shutdown"] == [], r["alive_detail"]
     assert all("resource_tracker" in c for c in r["children_after_shutdown"]), r
     assert r["segments"] and r["segments_after_shutdown"] == []
     assert r["files_after_shutdown"] == []
@@ -162,7 +162,7 @@ def test_a_killed_worker_is_named_and_its_files_removed(fastmq_run):
     assert k["error"].startswith("RuntimeError: fastmq: "), k["error"]
     assert f"pid {k['victim']}" in k["error"], k["error"]
     assert len(k["victim_files_before"]) >= 3, k   # ring, arena, ipc socket
-    assert k["alive_after_shutdown"] == []
+    assert k["alive_after_shutdown"] == [], k["alive_detail"]
     assert k["victim_files_after"] == []
     assert k["files_after_shutdown"] == []
     assert k["tmpdir_after_shutdown"] == []
@@ -183,7 +183,7 @@ def test_vllms_own_queue_with_fastmq_vllm_0(vllm_run):
     a = result["arena_default"]
     assert a["engine_args"] is False and a["cli_default"] is False and a["cli_on"] is True
     assert r["arena_flag"] is False
-    assert r["alive_after_shutdown"] == []
+    assert r["alive_after_shutdown"] == [], r["alive_detail"]
     # vLLM's own segments: unlinked by its workers, or by the engine's
     # resource tracker once the engine process has exited (which the run
     # has by now; the tracker may take a moment more).

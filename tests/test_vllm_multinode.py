@@ -137,7 +137,8 @@ def test_a_killed_remote_worker_is_named_by_the_engine(fastmq_run):
 
 def test_nothing_left_on_either_node(fastmq_run):
     e, n1 = fastmq_run["engine"], fastmq_run["node1"]
-    assert e["alive_after_shutdown"] == [] and n1["alive_after_shutdown"] == []
+    assert e["alive_after_shutdown"] == [], e["alive_detail"]
+    assert n1["alive_after_shutdown"] == [], n1["alive_detail"]
     assert e["leftovers"]["of_pids"] == [] and e["leftovers"]["tmpdir"] == []
     # Node 1's /dev/shm is its own: nothing of fastmq may be there.
     assert n1["leftovers"] == {"shm": [], "tmpdir": [], "of_pids": []}
@@ -153,4 +154,4 @@ def test_vllms_own_queue_runs_the_same_executor(vllm_run):
         assert w["fastmq_active"] is False and w["queues"] == [SHM, SHM]
     assert not active_pids(vllm_run["output"])
     assert e["round_trips"] == {"round_trips": 472}
-    assert n1["stopped"] is True and n1["alive_after_shutdown"] == []
+    assert n1["stopped"] is True and n1["alive_after_shutdown"] == [], n1["alive_detail"]
