@@ -200,8 +200,8 @@ def test_ls_watch_refreshes_until_interrupted():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for args, marker in ((["ls", "-w", "0.2"], "Every 0.2s: fastmq ls"),
                          (["ls", "--json", "-w", "0.2"], '"queues": [')):
-        p = subprocess.Popen([sys.executable, "-m", "fastmq.cli", *args], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "fastmq.cli", *args],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             seen = []
             deadline = time.monotonic() + 60
@@ -215,7 +215,12 @@ def test_ls_watch_refreshes_until_interrupted():
             p.send_signal(signal.SIGINT)
             # Read what is left: a listing of many queues can fill the pipe,
             # and the exit flushes stdout.
-            _, err = p.communicate(timeout=30)
+            try:
+                _, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGABRT)    # faulthandler prints where it is
+                _, err = p.communicate(timeout=30)
+                pytest.fail(f"{args}: still running 30 s after SIGINT:\n{err[-8000:]}")
             assert p.returncode == 0, err
         finally:
             if p.poll() is None:
