@@ -17,6 +17,12 @@ generate, then, by ``--then``:
 
 Prints ``PIDS {...}`` (also written to ``--pids``) and ``RESULT {...}``.
 
+``node0`` / ``node1``: the two nodes of a multi-node run (TP=2 over
+``nnodes=2``, tests/test_vllm_multinode_generation.py): node 0's front
+process generates and exits; node 1 runs vLLM's headless executor until
+its worker ends or it is stopped (SIGTERM).  Each prints ``PIDS`` and
+``RESULT`` as ``front`` does.
+
 ``inspect``: after the front is gone, wait until every process listed in
 ``--pids`` has exited (with ``--kill-orphans``, SIGKILL those still running
 after ``--wait`` seconds), list fastmq's files in ``/dev/shm`` and the ipc
@@ -129,11 +135,8 @@ def node1(a) -> int:
         raise SystemExit
 
     signal.signal(signal.SIGTERM, stop)
-    args = EngineArgs(model=os.environ["FASTMQ_TEST_MODEL_DIR"], load_format="dummy",
-                      skip_tokenizer_init=True, tensor_parallel_size=2,
-                      distributed_executor_backend="mp", dtype="float32",
-                      enforce_eager=True, max_model_len=256, seed=0, node_rank=1,
-                      **_two_node_args())
+    args = EngineArgs(model=os.environ["FASTMQ_TEST_MODEL_DIR"], tensor_parallel_size=2,
+                      **g.ENGINE_ARGS, node_rank=1, **_two_node_args())
     executor = MultiprocExecutor(args.create_engine_config(headless=True),
                                  monitor_workers=False)
     pids = {"front": os.getpid(), "engine": os.getpid(),

