@@ -47,6 +47,14 @@ def fastmq_files() -> list[str]:
     return sorted(glob.glob("/dev/shm/fastmq_*") + glob.glob(os.path.join(tmp, "fastmq_*")))
 
 
+def _announce(a, pids: dict) -> dict:
+    """Write ``pids`` to ``--pids`` (for ``inspect``) and print them."""
+    with open(a.pids, "w") as f:
+        json.dump(pids, f)
+    print("PIDS " + json.dumps(pids), flush=True)
+    return pids
+
+
 def front(a) -> int:
     from fastmq.bench import generate as g
 
@@ -55,12 +63,7 @@ def front(a) -> int:
     result: dict = {}
     llm = g.make_llm(model, 2)
     result["queue"] = g.queue_class()
-    pids = g.engine_pids()
-    pids["front"] = os.getpid()
-    with open(a.pids, "w") as f:
-        json.dump(pids, f)
-    print("PIDS " + json.dumps(pids), flush=True)
-    result["pids"] = pids
+    result["pids"] = pids = _announce(a, {**g.engine_pids(), "front": os.getpid()})
     result["tokens"] = {str(n): g.generate(llm, g.PROMPTS[:n], 16) for n in (1, 4)}
     if a.then == "del":
         del llm
@@ -110,12 +113,7 @@ def node0(a) -> int:
     llm = g.make_llm(os.environ["FASTMQ_TEST_MODEL_DIR"], 2, node_rank=0,
                      **_two_node_args())
     result: dict = {"queue": g.queue_class()}
-    pids = g.engine_pids()
-    pids["front"] = os.getpid()
-    with open(a.pids, "w") as f:
-        json.dump(pids, f)
-    print("PIDS " + json.dumps(pids), flush=True)
-    result["pids"] = pids
+    result["pids"] = pids = _announce(a, {**g.engine_pids(), "front": os.getpid()})
     result["tokens"] = {str(n): g.generate(llm, g.PROMPTS[:n], 16) for n in (1, 4)}
     print("RESULT " + json.dumps(result), flush=True)
     return 0
@@ -139,11 +137,8 @@ def node1(a) -> int:
                       **g.ENGINE_ARGS, node_rank=1, **_two_node_args())
     executor = MultiprocExecutor(args.create_engine_config(headless=True),
                                  monitor_workers=False)
-    pids = {"front": os.getpid(), "engine": os.getpid(),
-            "workers": [w.proc.pid for w in executor.workers]}
-    with open(a.pids, "w") as f:
-        json.dump(pids, f)
-    print("PIDS " + json.dumps(pids), flush=True)
+    pids = _announce(a, {"front": os.getpid(), "engine": os.getpid(),
+                         "workers": [w.proc.pid for w in executor.workers]})
     result = {"queue": g.queue_class(), "pids": pids, "stopped": False}
     try:
         executor.start_worker_monitor(inline=True)

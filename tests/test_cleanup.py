@@ -1,6 +1,7 @@
 """``fastmq cleanup``: removes exactly what dead fastmq processes left."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -197,11 +198,22 @@ def test_ipc_socket_still_listening_is_kept():
     assert not os.path.exists(path)
 
 
-def _child(code: str) -> tuple[subprocess.Popen, list[str]]:
+@contextlib.contextmanager
+def _child(code: str):
     """A Python child running ``code`` (which prints the files it made, one
-    line), and those files; the caller reaps it."""
+    line), and those files; killed, reaped and its files removed after."""
     p = subprocess.Popen([sys.executable, "-c", code, TMP], stdout=subprocess.PIPE, text=True)
-    return p, p.stdout.readline().split()
+    files = []
+    try:
+        files = p.stdout.readline().split()
+        yield p, files
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+        for f in files:
+            if os.path.exists(f):
+                os.unlink(f)
 
 
 _MAKE_FILES = (
@@ -233,30 +245,22 @@ def test_files_of_an_exited_process_not_yet_reaped_are_removed():
     """A process that exited but that its parent has not reaped (a zombie:
     its pid still answers signals) owns nothing any more, as with a vLLM
     engine core killed while its parent is gone or busy: its files go."""
-    p, files = _child(_MAKE_FILES)
-    try:
+    with _child(_MAKE_FILES) as (p, files):
         assert len(files) == 2 and all(os.path.exists(f) for f in files)
         _wait_for(lambda: _state(p.pid) == "Z", "the child to exit")   # not waited for
         assert not _proc.is_alive(p.pid)
         removed = set(fastmq.cleanup())
         assert set(files) <= removed
         assert not any(os.path.exists(f) for f in files)
-    finally:
-        p.kill()
-        p.wait()
-        for f in files:
-            if os.path.exists(f):
-                os.unlink(f)
 
 
 def test_a_process_whose_main_thread_exited_is_alive_while_a_thread_runs():
     """The main thread's exit leaves the process's first task a zombie while
     its other threads run on: that process is alive, and its files stay."""
-    p, files = _child(_MAKE_FILES + (
-        "import ctypes, threading, time\n"
-        "threading.Thread(target=time.sleep, args=(120,)).start()\n"
-        "ctypes.CDLL(None).pthread_exit(None)\n"))
-    try:
+    with _child(_MAKE_FILES + (
+            "import ctypes, threading, time\n"
+            "threading.Thread(target=time.sleep, args=(120,)).start()\n"
+            "ctypes.CDLL(None).pthread_exit(None)\n")) as (p, files):
         _wait_for(lambda: _state(p.pid) == "Z", "the main thread to exit")
         assert any(_state(p.pid, int(t)) != "Z" for t in os.listdir(f"/proc/{p.pid}/task"))
         assert _proc.is_alive(p.pid)
@@ -264,12 +268,6 @@ def test_a_process_whose_main_thread_exited_is_alive_while_a_thread_runs():
         removed = set(fastmq.cleanup())
         assert not set(files) & removed
         assert all(os.path.exists(f) for f in files)
-    finally:
-        p.kill()
-        p.wait()
-        for f in files:
-            if os.path.exists(f):
-                os.unlink(f)
 
 
 def test_cli_main_in_process(capsys):

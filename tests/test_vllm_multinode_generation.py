@@ -27,7 +27,8 @@ import time
 import pytest
 
 import _nodes
-from test_vllm_generation import (ACTIVE_LINE, CHILD, ROOT, TESTS, UNSET, _python, _unshare_ok,
+from test_vllm_multinode import active_pids
+from test_vllm_generation import (CHILD, ROOT, TESTS, UNSET, _python, _unshare_ok,
                                   force_killed)
 
 TIMEOUT = 900
@@ -140,16 +141,6 @@ def fastmq_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
     return two_nodes(tmp_path_factory.mktemp("vllm"), "0")
-
-
-def active_pids(output: str) -> set[int]:
-    out = set()
-    for line in output.splitlines():
-        if ACTIVE_LINE in line:
-            m = re.search(r"process \S+, pid (\d+);", line)
-            assert m, line
-            out.add(int(m[1]))
-    return out
 
 
 def test_tokens_across_two_nodes_are_the_same_as_with_vllms_own_queue(fastmq_run, vllm_run):
