@@ -10,6 +10,8 @@ import dataclasses
 import socket
 import threading
 
+import time
+
 import pytest
 
 from fastmq import MessageQueue, _seal, _tcp
@@ -314,31 +316,36 @@ def test_gmac_refuses_a_bad_key_or_engine():
 
 def test_large_tags_let_other_threads_run():
     """The CPU engine tags a long run without the GIL: another Python
-    thread makes progress meanwhile."""
+    thread makes progress in the middle of a 256 MiB tag (with the GIL
+    held it could only run before or after it)."""
     import threading
 
     from fastmq._gmac import Gmac
 
     g = Gmac(bytes(range(32)), "cpu")
-    data = bytes(64 << 20)
+    data = bytes(256 << 20)
     ticks, stop = [], threading.Event()
 
     def count():
         while not stop.is_set():
-            ticks.append(1)
+            ticks.append(time.monotonic())
 
     t = threading.Thread(target=count)
     t.start()
+    inside = 0
     try:
-        for seq in range(20):
-            before = len(ticks)
+        for seq in range(10):
+            t0 = time.monotonic()
             g.tag(seq, 0, [data])
-            if len(ticks) > before:
+            t1 = time.monotonic()
+            quarter = (t1 - t0) / 4
+            inside = sum(t0 + quarter < x < t1 - quarter for x in ticks)
+            if inside:
                 break
     finally:
         stop.set()
         t.join()
-    assert len(ticks) > before, "no other thread ran while a 64 MiB tag was computed"
+    assert inside, "no other thread ran in the middle of a 256 MiB tag"
 
 
 def test_an_end_tagging_through_cryptography_reads_and_is_read():
