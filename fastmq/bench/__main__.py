@@ -8,7 +8,7 @@ import shlex
 import sys
 import time
 
-from fastmq.bench import config
+from fastmq.bench import config, link
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step payload sizes, e.g. 100,1K,64K,1M")
     p.add_argument("--tensor-sizes", metavar="SIZE[,SIZE]",
                    help="tensor sizes, e.g. 16M,128M,256M")
+    p.add_argument("--tensor-reps", type=int, metavar="K",
+                   help="tensor: counted messages per size and reader count (full: 5)")
     p.add_argument("--idle-window", type=float, metavar="SECONDS",
                    help="wake: idle-CPU window after the last message (full: 5 s)")
     p.add_argument("--wake-gap", type=float, metavar="SECONDS",
@@ -60,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
     p.add_argument("--results-md", metavar="PATH",
                    help="write a Markdown report (bench/RESULTS.md)")
+    p.add_argument("--link-rate", metavar="RATE",
+                   help="run in a network namespace of its own whose loopback is shaped to "
+                        "RATE (e.g. 25gbit): the remote (TCP) paths as over a link slower "
+                        "than memory, as between nodes (root, iproute2)")
     p.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="give up on any blocking operation after this long (default 60)")
     p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
@@ -73,9 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", metavar="JSON",
                    help="measure nothing: print (and write with --json / --results-md) the "
                         "report of the run saved in JSON")
-    p.add_argument("--readme", metavar="JSON",
+    p.add_argument("--readme", metavar="JSON", action="append",
                    help="print the README's figures block generated from JSON (a file "
-                        "written by --json, e.g. bench/results.json), then exit")
+                        "written by --json, e.g. bench/results.json; again for runs over "
+                        "a shaped link, whose figures follow), then exit")
     p.add_argument("--update-readme", metavar="README",
                    help="with --readme: replace the generated block in README instead "
                         "of printing it")
@@ -123,6 +130,10 @@ def params_from_args(args) -> tuple[config.Params, list[str]]:
             raise ValueError("--tensor-sizes: tensors must be at least 16 bytes, "
                              "a multiple of 8")
         kw["tensor_sizes"] = sizes
+    if args.tensor_reps is not None:
+        if not 1 <= args.tensor_reps <= 1000:
+            raise ValueError("--tensor-reps must be in 1..1000")
+        kw["tensor_reps"] = args.tensor_reps
     if args.repeat is not None:
         if not 1 <= args.repeat <= 100:
             raise ValueError("--repeat must be in 1..100")
@@ -175,10 +186,18 @@ def _main(argv: list[str], from_module: bool) -> int:
         return _render(args, argv, from_module)
     try:
         params, scenarios = params_from_args(args)
+        rate = link.parse_rate(args.link_rate) if args.link_rate else None
     except ValueError as e:
         parser.print_usage(sys.stderr)
         print(f"fastmq-bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    if rate and link.inside() != rate:
+        # The run itself happens in a child that has the namespace.
+        try:
+            return link.enter(rate, argv)
+        except RuntimeError as e:
+            print(f"fastmq-bench: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     # vLLM logs at INFO to stdout on import; keep the table readable (the
     # forkserver and readers inherit this).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -196,6 +215,7 @@ def _main(argv: list[str], from_module: bool) -> int:
     if args.list:
         print(runner.describe(plan, scenarios))
         return 0
+    qdisc = link.shape(rate) if rate else None
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t0 = time.monotonic()
     try:
@@ -213,6 +233,12 @@ def _main(argv: list[str], from_module: bool) -> int:
     result["argv"] = list(argv)
     result["started"] = started
     result["duration_s"] = time.monotonic() - t0
+    if rate:
+        result["link"] = {"rate": rate, "qdisc": qdisc, "sent_bytes": link.sent_bytes()}
+        result["notes"].append(
+            f"Remote (TCP) paths ran over loopback shaped to {rate} (a token bucket, in a "
+            f"network namespace of this run's own): a link slower than memory, as between "
+            f"nodes. Local paths are unaffected. tc: {qdisc}")
 
     from fastmq.bench import report
 
@@ -266,8 +292,10 @@ def _readme(parser, args) -> int:
         print("fastmq-bench: error: --update-readme needs --readme JSON", file=sys.stderr)
         return EXIT_USAGE
     try:
-        result = report.load_results(args.readme)
-        block = report.readme_block(result, args.readme)
+        main_path, *more = args.readme
+        result = report.load_results(main_path)
+        block = report.readme_block(result, main_path,
+                                    tuple((report.load_results(p), p) for p in more))
         if args.update_readme:
             changed = report.update_readme(args.update_readme, block)
             print(f"{'updated' if changed else 'unchanged'}: {args.update_readme}")

@@ -603,6 +603,45 @@ def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+# The default security's cost on large tensors: each secured path against
+# plain TCP in the same shape.
+SECURITY_PATHS = (("remote (TCP), default security", "fastmq-remote", "fastmq-remote+plain"),
+                  ("remote (TCP), +encrypt", "fastmq-remote+encrypt", "fastmq-remote+plain"),
+                  ("remote both ways, default security", "fastmq-remote-both",
+                   "fastmq-remote-both+plain"))
+
+
+def security_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Large tensors, a secured remote path against +plain (unauthenticated
+    TCP) in the same shape: each cell ``plain ms / secured ms = ratio``
+    (below 1x: what the security costs)."""
+    rs = [r for r in records if r["scenario"] == "tensor"]
+    ns = sorted({r["n_readers"] for r in rs})
+    sizes = sorted({r["size_bytes"] for r in rs})
+    idx = {_key(r): r for r in rs}
+    headers = ["path", "tensor"]
+    for n in ns:
+        any_r = next(r for r in rs if r["n_readers"] == n)
+        headers.append(f"N={_ncell(any_r)}: plain / secured ms = ratio")
+    rows = []
+    for label, mine, plain in SECURITY_PATHS:
+        for size in sizes:
+            cells = []
+            for n in ns:
+                f, p = idx.get(("tensor", mine, n, size)), idx.get(("tensor", plain, n, size))
+                cells.append(f"{num(p['p50'])} / {num(f['p50'])} = "
+                             f"{ratio(p['p50'] / f['p50'] if f['p50'] > 0 else None)}"
+                             if f and p else "-")
+            if any(c != "-" for c in cells):
+                rows.append([label, fmt_size(size)] + cells)
+    return headers, rows
+
+
+def _loopback(result: dict) -> str:
+    rate = (result.get("link") or {}).get("rate")
+    return f"loopback shaped to {rate}, a link slower than memory," if rate else "loopback"
+
+
 def summary(result: dict, md: bool, headline_readers: tuple[int, ...] | None = None) -> str:
     """The summary table (only the reader counts in ``headline_readers``,
     if given) and the large-tensor matrix (every reader count)."""
@@ -626,13 +665,37 @@ def summary(result: dict, md: bool, headline_readers: tuple[int, ...] | None = N
                  f"same path ({how})")
         paths = ("arena off: a message larger than a ring chunk (24 MiB by default) takes "
                  "the overflow path (ipc socket), a smaller one the ring; remote: TCP over "
-                 "loopback (remote both ways: the answers too), with fastmq's default "
+                 f"{_loopback(result)} (remote both ways: the answers too), with fastmq's default "
                  "security (a keyed MAC on every message), +encrypt (AES-GCM) or +plain "
                  "(unauthenticated); vLLM's remote path is plain TCP.")
         parts.append((f"### {title}\n\n{paths}\n\n" if md else f"{title}\n{paths}\n")
                      + render(headers, trows, "ll" + "r" * (len(headers) - 2), md,
                               group=False))
+    security = security_table(result, md)
+    if security:
+        parts.append(security)
     return "\n\n".join(parts)
+
+
+def _how(result: dict) -> str:
+    runs = max((r.get("runs", 1) for r in result["records"]), default=1)
+    return (f"median of {runs} runs, (min..max) over the runs; ratio = quotient of the "
+            "medians" if runs > 1 else "one run (not a median of repeated runs)")
+
+
+def security_table(result: dict, md: bool) -> str | None:
+    """The security's cost on large tensors (``security_matrix``) with its
+    title, or None where the run has no such pair of rows."""
+    headers, rows = security_matrix(result["records"])
+    if not rows:
+        return None
+    title = (f"what the remote path's security costs on large tensors: p50 ms, +plain "
+             f"(unauthenticated TCP) / secured, same shape ({_how(result)})")
+    what = (f"TCP over {_loopback(result).rstrip(',')}; default security: a keyed MAC "
+            "(GMAC) on every message, computed by the writer and checked by each reader; "
+            "+encrypt: AES-GCM. Below 1x: what the security costs.")
+    return ((f"### {title}\n\n{what}\n\n" if md else f"{title}\n{what}\n")
+            + render(headers, rows, "ll" + "r" * (len(headers) - 2), md, group=False))
 
 
 # The JSON files' format; /3: the remote rows are named by their security.
@@ -698,26 +761,51 @@ def load_results(path: str) -> dict:
     return result
 
 
-def readme_block(result: dict, json_path: str = "bench/results.json") -> str:
-    """The README's figures: generated from the JSON file, never typed."""
+def readme_command(json_paths: list[str]) -> str:
+    return ("fastmq-bench " + " ".join(f"--readme {p}" for p in json_paths)
+            + " --update-readme README.md")
+
+
+def _busy(result: dict) -> list[str]:
+    return [n for n in result.get("notes", []) if n.startswith("The machine was busy")]
+
+
+def _run_line(result: dict) -> str:
     m = result["machine"]
-    recs = result["records"]
-    runs = max((r.get("runs", 1) for r in recs), default=1)
-    busy = [n for n in result.get("notes", []) if n.startswith("The machine was busy")]
+    return (f"the run `{result['command']}` ({result['started']}; {m['cpu_model']}, "
+            f"{m['usable_cpus']} usable CPUs)")
+
+
+def readme_block(result: dict, json_path: str = "bench/results.json",
+                 more: tuple = ()) -> str:
+    """The README's figures: generated from the JSON file (and from
+    ``more``, pairs of a result and its file: runs over a shaped link),
+    never typed."""
+    paths = [json_path] + [p for _, p in more]
     lines = [
         README_BEGIN,
         "",
-        f"Generated by `fastmq-bench --readme {json_path} --update-readme README.md` from "
-        f"the run `{result['command']}` ({result['started']}; {m['cpu_model']}, "
-        f"{m['usable_cpus']} usable CPUs). Rows marked * had more busy processes (1 "
-        "writer + N readers) than cores.",
+        f"Generated by `{readme_command(paths)}` from {_run_line(result)}. Rows marked * "
+        "had more busy processes (1 writer + N readers) than cores.",
         "",
     ]
-    if busy:
-        lines += ["**" + busy[0] + "**", ""]
+    if _busy(result):
+        lines += ["**" + _busy(result)[0] + "**", ""]
     lines += [summary(result, md=True, headline_readers=(1,)), "",
               "The summary at N=2 and N=4 readers (oversubscribed on this machine): "
-              "[bench/RESULTS.md](bench/RESULTS.md).", "", README_END]
+              "[bench/RESULTS.md](bench/RESULTS.md).", ""]
+    for extra, path in more:
+        rate = (extra.get("link") or {}).get("rate")
+        report_md = os.path.join(os.path.dirname(path), "RESULTS-" + os.path.basename(path)
+                                 .removeprefix("results-").removesuffix(".json") + ".md")
+        lines += [f"#### Over a link slower than memory ({rate or 'loopback'})", "",
+                  f"From {_run_line(extra)}: the remote paths' loopback shaped to a link "
+                  "rate, as between nodes, where the time goes to the wire rather than to "
+                  f"the CPU. Against vLLM over the same link: [{report_md}]({report_md}).", ""]
+        if _busy(extra):
+            lines += ["**" + _busy(extra)[0] + "**", ""]
+        lines += [security_table(extra, md=True) or "(no security rows in that run)", ""]
+    lines.append(README_END)
     return "\n".join(lines)
 
 
