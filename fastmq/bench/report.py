@@ -646,9 +646,7 @@ def summary(result: dict, md: bool, headline_readers: tuple[int, ...] | None = N
     """The summary table (only the reader counts in ``headline_readers``,
     if given) and the large-tensor matrix (every reader count)."""
     recs = result["records"]
-    runs = max((r.get("runs", 1) for r in recs), default=1)
-    how = (f"median of {runs} runs, (min..max) over the runs; ratio = quotient of the "
-           "medians" if runs > 1 else "one run (not a median of repeated runs)")
+    how = _how(result)
     parts = []
     # generate's N is the tensor parallel size (2 at least): always shown.
     rows = headline([r for r in recs if headline_readers is None
