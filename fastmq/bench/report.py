@@ -576,11 +576,12 @@ TENSOR_PATHS = (("arena", "fastmq-futex+arena"), ("arena off", "fastmq-futex"),
                 ("remote both ways", "fastmq-remote-both"))
 
 
-def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Large tensors, fastmq against vLLM on the same path: one row per
-    path and size, one column per N; each cell ``vLLM ms / fastmq ms =
-    ratio``, literally that quotient (RATIO_RULE: above 1x fastmq is
-    faster)."""
+def _tensor_grid(records: list[dict], pairs, column: str, cell
+                 ) -> tuple[list[str], list[list[str]]]:
+    """The tensor records as a matrix: a row per (label, size) of
+    ``pairs`` (label, then the implementations ``cell`` takes), a column
+    per N headed ``column``; ``cell(idx, n, size, *impls)`` is the text,
+    or "-" where a figure is missing (rows of dashes are left out)."""
     rs = [r for r in records if r["scenario"] == "tensor"]
     ns = sorted({r["n_readers"] for r in rs})
     sizes = sorted({r["size_bytes"] for r in rs})
@@ -588,19 +589,28 @@ def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     headers = ["path", "tensor"]
     for n in ns:
         any_r = next(r for r in rs if r["n_readers"] == n)
-        headers.append(f"N={_ncell(any_r)}: vLLM / fastmq ms = ratio")
+        headers.append(f"N={_ncell(any_r)}: {column}")
     rows = []
-    for label, mine in TENSOR_PATHS:
+    for label, *impls in pairs:
         for size in sizes:
-            cells = []
-            for n in ns:
-                f = idx.get(("tensor", mine, n, size))
-                v = idx.get(("tensor", vllm_counterpart(mine), n, size))
-                cells.append(f"{num(v['p50'])} / {num(f['p50'])} = "
-                             f"{_ratio_cell(f, 'vs_vllm')}" if f and v else "-")
+            cells = [cell(idx, n, size, *impls) for n in ns]
             if any(c != "-" for c in cells):
                 rows.append([label, fmt_size(size)] + cells)
     return headers, rows
+
+
+def tensor_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Large tensors, fastmq against vLLM on the same path: one row per
+    path and size, one column per N; each cell ``vLLM ms / fastmq ms =
+    ratio``, literally that quotient (RATIO_RULE: above 1x fastmq is
+    faster)."""
+    def cell(idx, n, size, mine):
+        f = idx.get(("tensor", mine, n, size))
+        v = idx.get(("tensor", vllm_counterpart(mine), n, size))
+        return (f"{num(v['p50'])} / {num(f['p50'])} = {_ratio_cell(f, 'vs_vllm')}"
+                if f and v else "-")
+
+    return _tensor_grid(records, TENSOR_PATHS, "vLLM / fastmq ms = ratio", cell)
 
 
 # The default security's cost on large tensors: each secured path against
@@ -615,26 +625,12 @@ def security_matrix(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Large tensors, a secured remote path against +plain (unauthenticated
     TCP) in the same shape: each cell ``plain ms / secured ms = ratio``
     (below 1x: what the security costs)."""
-    rs = [r for r in records if r["scenario"] == "tensor"]
-    ns = sorted({r["n_readers"] for r in rs})
-    sizes = sorted({r["size_bytes"] for r in rs})
-    idx = {_key(r): r for r in rs}
-    headers = ["path", "tensor"]
-    for n in ns:
-        any_r = next(r for r in rs if r["n_readers"] == n)
-        headers.append(f"N={_ncell(any_r)}: plain / secured ms = ratio")
-    rows = []
-    for label, mine, plain in SECURITY_PATHS:
-        for size in sizes:
-            cells = []
-            for n in ns:
-                f, p = idx.get(("tensor", mine, n, size)), idx.get(("tensor", plain, n, size))
-                cells.append(f"{num(p['p50'])} / {num(f['p50'])} = "
-                             f"{ratio(p['p50'] / f['p50'] if f['p50'] > 0 else None)}"
-                             if f and p else "-")
-            if any(c != "-" for c in cells):
-                rows.append([label, fmt_size(size)] + cells)
-    return headers, rows
+    def cell(idx, n, size, mine, plain):
+        f, p = idx.get(("tensor", mine, n, size)), idx.get(("tensor", plain, n, size))
+        return (f"{num(p['p50'])} / {num(f['p50'])} = "
+                f"{ratio(p['p50'] / f['p50'] if f['p50'] > 0 else None)}" if f and p else "-")
+
+    return _tensor_grid(records, SECURITY_PATHS, "plain / secured ms = ratio", cell)
 
 
 def _loopback(result: dict) -> str:
