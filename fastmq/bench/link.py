@@ -1,9 +1,9 @@
 """``--link-rate``: the remote (TCP) paths over a link slower than memory.
 
 On one machine a remote reader talks to its writer over loopback, where
-TCP moves bytes as fast as the two ends' CPUs copy them: the writer's and
-the reader's extra pass over a large message for its tag (the default
-security) then adds straight to the time.  Between nodes a NIC sets the
+TCP moves bytes as fast as the two ends' CPUs copy them: the writer's
+extra pass over a large message for its tags (the default security) then
+adds to the time (a reader checks a segment while the next one comes).  Between nodes a NIC sets the
 pace, and a tag is computed while the segment before it is on the wire.
 
 To measure that case on one machine, the run happens in a network
