@@ -68,9 +68,9 @@ def shape(rate: str) -> str:
     The bucket holds 1 MB: what passes at memory speed after a pause, a
     head start no real link gives.  A 4 MB bucket made a quarter of a
     16 MiB message such a head start, and its figure partly a measure of
-    the sender's speed.  With 1 MB the shaper moved about 90% of its rate
-    over a long message on a 2-core machine at 25 Gbit/s, less with a
-    smaller bucket.  The queue behind it holds 100 ms of the
+    the sender's speed.  On a 2-core machine the shaper stays somewhat
+    below its rate with 1 MB, and further below with a smaller bucket
+    (measured with scratch runs, not by the benchmark).  The queue behind it holds 100 ms of the
     rate, so the shaping delays, never drops."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
