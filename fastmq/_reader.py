@@ -1,6 +1,6 @@
 """The readers' ends of a queue: ``LocalReader`` (the ring, plus the local
 socket for payloads too big for a chunk) and ``RemoteReader`` (TCP,
-``fastmq._tcp``).
+``fastmq._stream``).
 
 Every message is decoded in one place, ``fastmq._serde.decode``, whichever
 way its frames came: the ring hands over a view of the pickle stream in
@@ -16,7 +16,8 @@ from typing import Any, Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastmq import _config, _handshake, _net, _proc, _seal, _sockets, _tcp, cleanup
+from fastmq import (_config, _handshake, _keys, _net, _proc, _seal, _sockets, _stream, _wire,
+                    cleanup)
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
                           WRITER_DIED, CorruptChunkError)
 from fastmq._serde import decode
@@ -320,7 +321,7 @@ class LocalReader(_ReaderEnd):
 
 class RemoteReader:
     """A reader on another node: one TCP connection to the writer
-    (``fastmq._tcp``), authenticated as the handle's security mode says.
+    (``fastmq._stream``), authenticated as the handle's security mode says.
     Messages carry sequence numbers, so a gap is an error rather than a
     silent loss.  It cannot see the writer's process: the connection
     closing (the writer died, or its node went away) is how it learns that
@@ -338,9 +339,9 @@ class RemoteReader:
         if security not in _seal.MODES:
             raise ValueError(f"fastmq: the handle's remote security mode {security!r} is "
                              f"not one of {', '.join(_seal.MODES)}")
-        seal = _seal.Seal(security, getattr(handle, "remote_key", None))
-        self.remote_socket = self.stream = _tcp.Stream(
-            handle.remote_subscribe_addr, handle.remote_addr_ipv6, seal, rank,
+        psk = _keys.reader_psk(handle, security)
+        self.remote_socket = self.stream = _stream.Stream(
+            handle.remote_subscribe_addr, handle.remote_addr_ipv6, security, psk, rank,
             keep_bytes=_config.remote_buffers_bytes())
         spin_us = getattr(handle, "spin_us", None)
         self.stream.spin_s = (_config.spin_us(None) if spin_us is None else spin_us) / 1e6
@@ -350,7 +351,7 @@ class RemoteReader:
     def wait_until_ready(self) -> None:
         try:
             self.stream.handshake(self)
-        except _tcp.WriterSpeaksZMTP:
+        except _wire.WriterSpeaksZMTP:
             raise HandleMismatchError(
                 "this remote reader uses fastmq, but the writer at "
                 f"{self.handle.remote_subscribe_addr} is vLLM's own MessageQueue (it speaks "
@@ -360,19 +361,24 @@ class RemoteReader:
     def shutdown(self) -> None:
         self.shutting_down = True
 
-    def _writer_gone_error(self) -> RuntimeError:
+    def _writer(self) -> str:
         pid = getattr(self.handle, "writer_pid", None)
-        return RuntimeError(
-            f"fastmq: the connection to the writer{f' (pid {pid})' if pid else ''} at "
-            f"{self.handle.remote_subscribe_addr} dropped: it shut down, died or its node "
-            "is unreachable; no more messages will come, and a remote reader cannot "
-            "rejoin a running queue")
+        return f"the writer{f' (pid {pid})' if pid else ''} at {self.handle.remote_subscribe_addr}"
 
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
+        stream = self.stream
         try:
-            main, *oob = self.stream.recv(_sockets.deadline(timeout), self)
-        except _tcp.PeerGone:
-            raise self._writer_gone_error() from None
+            main, *oob = stream.recv(_sockets.deadline(timeout), self)
+        except _stream.StreamEnded as e:
+            raise RuntimeError(f"fastmq: {self._writer()} shut the queue down after message "
+                               f"{e.last_seq}; every message it sent was received") from None
+        except _wire.PeerGone:
+            raise RuntimeError(
+                f"fastmq: the connection to {self._writer()} was cut before the writer "
+                "closed the queue (no end of the stream came): the writer died or exited "
+                "without closing it, its node became unreachable, or the connection was "
+                f"cut on the way; message {stream.last_seq} was the last received, and a "
+                "remote reader cannot rejoin a running queue") from None
         return decode(main, oob, None)
 
     def stats(self) -> dict:

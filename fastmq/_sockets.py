@@ -1,7 +1,7 @@
 """The ZMQ side of a queue end on the writer's node: socket options, the
 framing of a socket message, the wait until a sent message has left this
 process, and closing an end's sockets.  (Remote readers use plain TCP:
-``fastmq._tcp``.)
+``fastmq._wire``.)
 
 Socket messages (local overflow payloads) are::
 

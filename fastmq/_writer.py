@@ -17,7 +17,8 @@ from typing import Any, Iterator
 
 import zmq
 
-from fastmq import _config, _handshake, _net, _seal, _sockets, _tcp, cleanup, segments
+from fastmq import (_config, _fanout, _handshake, _keys, _net, _seal, _sockets, _wire, cleanup,
+                    segments)
 from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD,
                           SLOT_FREE, SLOT_LEFT, WAIT_ZMQ)
 from fastmq._serde import Encoder
@@ -86,7 +87,6 @@ class QueueWriter:
         self._send_lock = threading.RLock()
         self._close_pending = False
         self._overflow_id = 0       # last local overflow send attempt
-        self._remote_seq = 0        # last message committed to remote readers
         self._notify_failure_logged = False
         self._zmq_wakeup = False     # the ring notifies parked readers on a ZMQ socket
         self.buffer = self.ring = self.tensor_arena = None
@@ -96,7 +96,8 @@ class QueueWriter:
         paths: list[str] = []
         local_subscribe_addr = local_notify_addr = remote_subscribe_addr = None
         remote_addr_ipv6 = False
-        remote_key = security = None
+        security = None
+        trust = _keys.new_writer_trust("none")
         try:
             if n_local_reader > 0:
                 self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks,
@@ -139,12 +140,12 @@ class QueueWriter:
                 if not connect_ip:
                     connect_ip = _net.local_ip()
                 security = _seal.mode(remote_security)
-                remote_key = _seal.new_key() if security != "none" else None
-                seal = _seal.Seal(security, remote_key)
+                trust = _keys.new_writer_trust(security)
                 if _net.is_ipv6(connect_ip):
                     remote_addr_ipv6 = True
                     connect_ip = f"[{connect_ip.strip('[]')}]"
-                self.fanout = _tcp.Fanout(connect_ip, remote_addr_ipv6, seal)
+                self.fanout = _fanout.Fanout(connect_ip, remote_addr_ipv6, security,
+                                             trust["psk"])
                 sockets.append(self.fanout)
                 remote_subscribe_addr = self.fanout.address
         except BaseException:
@@ -166,7 +167,9 @@ class QueueWriter:
             remote_addr_ipv6=remote_addr_ipv6,
             tensor_arena_handle=(self.tensor_arena.handle()
                                  if self.tensor_arena is not None else None),
-            remote_key=remote_key,
+            remote_key=trust["remote_key"],
+            remote_salt=trust["remote_salt"],
+            remote_key_id=trust["remote_key_id"],
             remote_security=security,
             n_reader=n_reader,
             writer_pid=os.getpid(),
@@ -183,7 +186,24 @@ class QueueWriter:
         subscribed; ``n_remote_reader`` remote identities must be present.
         Waits in slices: ``shutdown()`` raises ``RuntimeError("cancelled")``,
         and a local reader that died or left before the handshake raises
-        a ``RuntimeError`` naming it."""
+        a ``RuntimeError`` naming it.  Nothing a peer on the remote port
+        does makes it raise; a ZMQ peer there (a reader of vLLM's own
+        queue) is named in the log and in the exception if it is cancelled.
+        After it raised, ``enqueue()`` raises too."""
+        try:
+            self._wait_for_readers()
+        except BaseException as e:
+            fanout = self.fanout
+            if fanout is not None and fanout.listener is not None:
+                fanout.failed = f"wait_until_ready() raised {e!r}"
+                if fanout.zmq_peer is not None:
+                    e.add_note(f"fastmq: while this queue waited for its remote readers, a "
+                               f"peer at {fanout.zmq_peer} spoke ZMQ to its port: a reader "
+                               "attached with vLLM's own MessageQueue (fastmq not active in "
+                               "its process?)")
+            raise
+
+    def _wait_for_readers(self) -> None:
         local = [(self.local_socket, _handshake.Subscribers())] if self.n_local_reader else []
         if self.notify_socket is not None:
             local.append((self.notify_socket, _handshake.Subscribers()))
@@ -457,6 +477,8 @@ class QueueWriter:
             self._wait_turn(timeout)
         # Backpressure: the rest of a message that was still going out at
         # its deadline leaves first.
+        fanout.check_ready()
+        _wire.check_limits(buffers)
         fanout.wait_drained(until, self)
         fanout.check_readers()
         overflow = False
@@ -470,21 +492,17 @@ class QueueWriter:
             _sockets.send_message(self.local_socket, self._overflow_id, buffers)
             tracker = _sockets.send_flush(self.local_socket)
             _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
-        seq = self._remote_seq + 1
         published = ring.n_published if ring is not None else 0
-        message = _tcp.Outgoing(fanout.seal, seq, buffers)
-        fanout.begin(message.batches())
-        committed = False
+        message = fanout.begin(buffers)
         try:
             fanout.push(until, self, until_commit=True)
-            committed = True
             # Committed: the remote readers are getting the message.  The
             # ring must take it too, whatever happens now: the publish
             # neither waits nor heeds cancel(), a shutdown() from a signal
             # handler is deferred (see shutdown), and an exception a signal
             # handler raises from here on is raised only once the local
             # readers have it too.
-            self._remote_seq = seq
+            fanout.commit()
             if ring is not None:
                 self._publish_committed(buffers, overflow)
             if not fanout.push(until):
@@ -492,10 +510,12 @@ class QueueWriter:
                 # background (see the README's limits).
                 fanout.keep_rest()
         except BaseException as e:
-            if not (committed or fanout.written_any):
+            # Whether any byte went out is counted with the write itself
+            # (fastmq._outbox), so it is right whatever line raised.
+            if not fanout.written_any:
                 fanout.discard()
                 raise
-            self._remote_seq = seq
+            fanout.commit()
             if ring is not None and ring.n_published == published:
                 self._publish_committed(buffers, overflow)
             fanout.keep_rest()
@@ -525,7 +545,7 @@ class QueueWriter:
 
     @property
     def remote_socket(self):
-        """The remote path's end (``fastmq._tcp.Fanout``), or None."""
+        """The remote path's end (``fastmq._fanout.Fanout``), or None."""
         return self.fanout
 
     def empty_tensor(self, shape, dtype=None):

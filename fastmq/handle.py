@@ -43,11 +43,15 @@ class Handle:
     remote_subscribe_addr: str | None = None
     remote_addr_ipv6: bool = False
     tensor_arena_handle: tuple | None = None
-    # fastmq only: the remote path's security mode and secret key (see
-    # fastmq._seal); the key is kept out of repr so that logging the handle
-    # does not print it.
+    # fastmq only: the remote path's security mode and where its readers'
+    # pre-shared key comes from (fastmq._keys): the key itself when no
+    # deployment secret is set (kept out of repr, so that logging the handle
+    # does not print it), else the salt the key is derived with from the
+    # secret and the derived key's id (no key).
     remote_security: str | None = None
     remote_key: bytes | None = field(default=None, repr=False)
+    remote_salt: bytes | None = None
+    remote_key_id: bytes | None = None
     # fastmq only: how long (microseconds) a remote reader spins for the
     # next message before it waits in the kernel (the writer's spin_us;
     # local readers read it from the ring).

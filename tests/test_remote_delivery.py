@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from fastmq import MessageQueue, _tcp
+from fastmq import MessageQueue, _fanout, _wire
 
 import _remote_children as rc
 from _queues import remote_close_seen, wait_for
@@ -45,7 +45,7 @@ def test_mixed_queue_shutdown_after_the_commit_delivers_to_every_reader(monkeypa
     point) used to make the ring publish raise "cancelled": the remote
     reader had the message, the local one never got it."""
     w, local, remote = _mixed()
-    real = _tcp.Fanout.push
+    real = _fanout.Fanout.push
     stopper = []
 
     def push_then_shutdown(self, *a, **kw):
@@ -57,7 +57,7 @@ def test_mixed_queue_shutdown_after_the_commit_delivers_to_every_reader(monkeypa
             time.sleep(0.1)        # shutdown() has cancelled the ring's waits
         return out
 
-    monkeypatch.setattr(_tcp.Fanout, "push", push_then_shutdown)
+    monkeypatch.setattr(_fanout.Fanout, "push", push_then_shutdown)
     msg = b"m" * size
     try:
         w.enqueue(msg)
@@ -186,7 +186,7 @@ def test_remote_send_interrupted_after_the_commit_still_delivers_the_message(
     w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
     r = MessageQueue.create_from_handle(w.export_handle(), 0)
     _handshake(w, [r])
-    real = _tcp._Reader.write
+    real = _fanout._Reader.write
     calls = []
 
     def write_then_interrupt(self):
@@ -196,7 +196,7 @@ def test_remote_send_interrupted_after_the_commit_still_delivers_the_message(
             os.kill(os.getpid(), signal.SIGUSR1)   # its handler raises here
         return n
 
-    monkeypatch.setattr(_tcp._Reader, "write", write_then_interrupt)
+    monkeypatch.setattr(_fanout._Reader, "write", write_then_interrupt)
     big = bytes(range(256)) * 40_000                  # several segments
     old = signal.signal(signal.SIGUSR1, _raise)
     try:
@@ -205,7 +205,7 @@ def test_remote_send_interrupted_after_the_commit_still_delivers_the_message(
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert "committed" in "".join(getattr(info.value, "__notes__", []))
-    monkeypatch.setattr(_tcp._Reader, "write", real)
+    monkeypatch.setattr(_fanout._Reader, "write", real)
     got = []
     t = threading.Thread(target=lambda: got.extend(r.dequeue(timeout=20) for _ in range(2)))
     t.start()
@@ -219,7 +219,7 @@ def test_a_stranger_on_the_port_breaks_nothing():
     is not counted, and once the handshake is over the port is closed: a
     stranger that connected, or tries to, changes nothing for the reader."""
     w = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    addr = _tcp.parse_address(w.export_handle().remote_subscribe_addr)
+    addr = _wire.parse_address(w.export_handle().remote_subscribe_addr)
     import socket
     stranger = socket.create_connection(addr)
     r = MessageQueue.create_from_handle(w.export_handle(), 0)

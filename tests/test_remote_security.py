@@ -1,4 +1,4 @@
-"""The remote path's security (fastmq._seal, fastmq._tcp): by default the
+"""The remote path's security (fastmq._seal, fastmq._wire): by default the
 writer, the readers and every message are authenticated; a stranger on
 the port, a stranger posing as the writer and a man in the middle who
 changes, drops or replays bytes are all refused with a clear error."""
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from fastmq import MessageQueue, _seal, _tcp
+from fastmq import MessageQueue, _keys, _seal, _wire
 from fastmq._ring import CorruptChunkError
 
 
@@ -31,7 +31,7 @@ def test_authenticated_by_default_and_the_modes(monkeypatch):
     monkeypatch.delenv("FASTMQ_REMOTE_SECURITY", raising=False)
     monkeypatch.delenv("FASTMQ_CURVE", raising=False)
     h = MessageQueue(1, 0, connect_ip="127.0.0.1").export_handle()
-    assert h.remote_security == "mac" and len(h.remote_key) == _seal.KEY_BYTES
+    assert h.remote_security == "mac" and len(h.remote_key) == _keys.KEY_BYTES
     h = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security="none").export_handle()
     assert h.remote_security == "none" and h.remote_key is None
     monkeypatch.setenv("FASTMQ_REMOTE_SECURITY", "encrypt")
@@ -76,8 +76,9 @@ def test_every_mode_carries_small_and_large_messages(security):
     assert got[:2] == msgs[:2] and np.array_equal(got[2], big) and got[3] == msgs[3]
 
 
-def _hello(rank, pid, proof=b"\0" * _seal.PROOF_BYTES):
-    return _tcp.HELLO.pack(_tcp.MAGIC, rank, pid, b"n" * _seal.NONCE_BYTES, proof)
+def _hello(rank, pid, proof=b"\0" * _keys.PROOF_BYTES):
+    return _wire.HELLO.pack(_wire.MAGIC, rank, pid, b"n" * _keys.NONCE_BYTES,
+                            b"k" * _keys.PUBLIC_BYTES, proof)
 
 
 @pytest.mark.parametrize("what", ["plain bytes", "a hello without the key",
@@ -86,13 +87,13 @@ def test_a_stranger_is_not_taken_for_a_reader(caplog, what):
     """Anyone who reached the port used to be counted as the remote reader
     (and receive every message) unless CURVE was on."""
     w = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    addr = _tcp.parse_address(w.export_handle().remote_subscribe_addr)
+    addr = _wire.parse_address(w.export_handle().remote_subscribe_addr)
     with caplog.at_level(logging.WARNING, logger="fastmq"):
         handshake = threading.Thread(target=w.wait_until_ready)
         handshake.start()
         stranger = socket.create_connection(addr)
         stranger.settimeout(10)
-        assert stranger.recv(_tcp.CHALLENGE.size)      # the challenge
+        assert stranger.recv(_wire.CHALLENGE.size)      # the challenge
         stranger.sendall({"plain bytes": b"GET / HTTP/1.0\r\n\r\n",
                           "a hello without the key": _hello(0, 1),
                           "a hello with a wrong proof": _hello(0, 1, os.urandom(32))}[what])
@@ -100,7 +101,7 @@ def test_a_stranger_is_not_taken_for_a_reader(caplog, what):
         r = MessageQueue.create_from_handle(w.export_handle(), 0)
         r.wait_until_ready()
         handshake.join(10)
-    assert "refused a connection from 127.0.0.1" in caplog.text
+    assert "refused a connection from 127.0.0.1" in caplog.text, caplog.text
     w.enqueue("for the reader only")
     assert r.dequeue(timeout=10) == "for the reader only"
 
@@ -139,9 +140,10 @@ def test_a_stranger_posing_as_the_writer_is_refused():
 
     def pose():
         c, _ = fake.accept()
-        c.sendall(_tcp.CHALLENGE.pack(_tcp.MAGIC, _tcp.VERSION, 0, b"c" * 16))
-        c.recv(_tcp.HELLO.size)
-        c.sendall(_tcp.READY.pack(_tcp.MAGIC, os.urandom(32)))
+        c.sendall(_wire.CHALLENGE.pack(_wire.MAGIC, _wire.VERSION, 0, b"c" * 16,
+                                       _keys.Handshake(os.urandom(32)).public))
+        c.recv(_wire.HELLO.size)
+        c.sendall(_wire.READY.pack(_wire.MAGIC, os.urandom(_keys.WRAPPED_BYTES)))
         c.recv(10)
 
     t = threading.Thread(target=pose, daemon=True)
@@ -181,7 +183,7 @@ class _Middle:
             if not data:
                 dst.close()
                 return
-            if tamper is not None and seen >= _tcp.CHALLENGE.size + _tcp.READY.size:
+            if tamper is not None and seen >= _wire.CHALLENGE.size + _wire.READY.size:
                 data = tamper(data)
             seen += len(data)
             try:
@@ -193,7 +195,7 @@ class _Middle:
 def _through_middle(tamper, security="mac"):
     w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
     h = w.export_handle()
-    m = _Middle(_tcp.parse_address(h.remote_subscribe_addr), tamper)
+    m = _Middle(_wire.parse_address(h.remote_subscribe_addr), tamper)
     r = MessageQueue.create_from_handle(dataclasses.replace(
         h, remote_subscribe_addr=m.addr), 0)
     _ready(w, [r])
@@ -229,7 +231,7 @@ def test_a_replayed_message_is_refused():
     w, r = _through_middle(replay)
     w.enqueue("pay 10")
     assert r.dequeue(timeout=10) == "pay 10"
-    with pytest.raises(RuntimeError, match="expected message 2 but received 1"):
+    with pytest.raises(RuntimeError, match="repeats seal counter 1 \\(a replay\\)"):
         r.dequeue(timeout=10)
 
 
@@ -240,94 +242,78 @@ def test_without_security_a_changed_byte_goes_through():
     assert r.dequeue(timeout=10) == "pay 99"
 
 
-def test_a_reader_of_vllms_own_queue_is_named():
-    """A ZMQ peer (vLLM's MessageQueue, fastmq not active in its process)
-    on the writer's port."""
-    from fastmq.handle import HandleMismatchError
-    zmq = pytest.importorskip("zmq")
-    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    ctx = zmq.Context()
-    try:
-        s = ctx.socket(zmq.SUB)
-        s.linger = 0
-        s.setsockopt(zmq.SUBSCRIBE, b"")
-        s.connect(w.export_handle().remote_subscribe_addr)
-        with pytest.raises(HandleMismatchError, match="vLLM's own MessageQueue"):
-            w.wait_until_ready()
-    finally:
-        ctx.destroy(linger=0)
-
-
-_GMAC_KINDS = [("cpu", True), ("cpu", False), ("libcrypto", True)]
-
-
-@pytest.mark.parametrize("engine,wide", _GMAC_KINDS, ids=["cpu", "cpu-128-bit", "libcrypto"])
-def test_tags_are_gcms_whichever_engine_computes_them(engine, wide):
-    """fastmq._gmac's engines (the CPU's AES and carry-less multiply, with
-    and without the AVX-512 loop; the process's libcrypto) must give
+def test_tags_are_gcms():
+    """fastmq._gmac (the process's libcrypto, key state kept) must give
     exactly `cryptography`'s tags, since either end may compute them
-    either way: lengths around every block, run and loop boundary, parts
-    that split blocks, unaligned views."""
+    either way: lengths around every block boundary, parts that split
+    blocks, unaligned views."""
     import random
     import struct
 
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from fastmq._gmac import Gmac, engines
+    from fastmq._gmac import Gmac, available
 
-    # This machine (x86-64 with AES-NI, a Python with libcrypto) runs both.
-    assert engine in engines()
+    assert available()    # this machine's Python has a libcrypto
     sizes = [0, 1, 15, 16, 17, 127, 128, 129, 1023, 1024, 1025, 2047, 4101, 70_000,
              (1 << 20) + 3]
     rng = random.Random(7)
     for case in range(200):
         key = rng.randbytes(32)
-        seq, index = rng.getrandbits(64), rng.getrandbits(32)
+        counter, index = rng.getrandbits(64), rng.getrandbits(32)
         parts = [rng.randbytes(rng.choice(sizes[:-1] if case % 10 else sizes))
-                 for _ in range(rng.randint(0, 8))]
+                 for _ in range(rng.randint(0, 9))]
         if parts and case % 3 == 0:     # a view that starts at an odd address
             parts[0] = memoryview(b"x" + bytes(parts[0]))[1:]
-        want = AESGCM(key).encrypt(struct.pack("<QI", seq, index), b"", b"".join(parts))
-        g = Gmac(key, engine, wide=wide)
-        assert (g.engine, g.wide) == (engine, wide and engine == "cpu" and g.wide)
-        assert g.tag(seq, index, parts) == want, [len(p) for p in parts]
-        assert g.check(seq, index, [memoryview(b"".join(parts))], want)
+        want = AESGCM(key).encrypt(struct.pack("<QI", counter, index), b"", b"".join(parts))
+        g = Gmac(key)
+        assert g.tag(counter, index, parts) == want, [len(p) for p in parts]
+        assert g.check(counter, index, [memoryview(b"".join(parts))], want)
         bad = bytearray(want)
         bad[rng.randrange(16)] ^= 1 << rng.randrange(8)
-        assert not g.check(seq, index, parts, bytes(bad))
-        assert not g.check(seq, index, parts, want[:15])
+        assert not g.check(counter, index, parts, bytes(bad))
+        assert not g.check(counter, index, parts, want[:15])
         if parts and any(parts):
             i = next(k for k, p in enumerate(parts) if p)
             changed = list(parts)
             changed[i] = bytes([parts[i][0] ^ 1]) + bytes(parts[i][1:])
-            assert not g.check(seq, index, changed, want)
-        assert not g.check(seq + 1, index, parts, want)
-        assert not g.check(seq, index ^ 1, parts, want)
+            assert not g.check(counter, index, changed, want)
+        assert not g.check(counter + 1, index, parts, want)
+        assert not g.check(counter, index ^ 1, parts, want)
 
 
-def test_gmac_refuses_a_bad_key_or_engine():
+def test_gmac_refuses_a_bad_key():
     from fastmq._gmac import Gmac
 
     with pytest.raises(ValueError, match="32 bytes"):
         Gmac(b"short")
-    with pytest.raises(ValueError, match="engine 'md5'"):
-        Gmac(bytes(32), "md5")
+
+
+def test_no_cipher_code_of_our_own():
+    """AES and GHASH come from OpenSSL (libcrypto, cryptography): no
+    source of fastmq's uses the CPU's AES or carry-less multiply itself."""
+    import pathlib
+
+    import fastmq
+
+    root = pathlib.Path(fastmq.__file__).parent
+    words = ("_mm_aesenc", "_mm_clmulepi64", "aesenclast", "pclmul")
+    hits = [str(p) for p in root.rglob("*") if p.suffix in (".h", ".pyx", ".pxd", ".py")
+            and any(w in p.read_text(errors="ignore") for w in words)]
+    assert hits == []
 
 
 def test_large_tags_let_other_threads_run():
-    """The CPU engine tags a long run without the GIL: another Python
-    thread runs while a 256 MiB tag is being computed.
+    """A large segment's tag is computed without the GIL: another Python
+    thread runs while 256 MiB are tagged.
 
     The switch interval is made long, so the interpreter never takes the
     GIL from the tagging thread by force during the test: the other thread
     (which lets the GIL go at each of its steps) can then only run between
     the two clock readings around ``tag()`` if ``tag()`` let the GIL go."""
     import sys
-    import threading
 
-    from fastmq._gmac import Gmac
-
-    g = Gmac(bytes(range(32)), "cpu")
+    seal = _seal.Seal("mac", _keys.new_message_key())
     data = bytes(256 << 20)
     ticks, go, stop = [], threading.Event(), threading.Event()
 
@@ -344,9 +330,9 @@ def test_large_tags_let_other_threads_run():
     try:
         sys.setswitchinterval(30.0)
         go.set()
-        for seq in range(5):
+        for counter in range(1, 6):
             t0 = time.monotonic()
-            g.tag(seq, 0, [data])
+            seal.tag(counter, 0, data)
             t1 = time.monotonic()
             inside = sum(t0 < x < t1 for x in ticks)
             if inside:
@@ -359,13 +345,13 @@ def test_large_tags_let_other_threads_run():
 
 
 def test_an_end_tagging_through_cryptography_reads_and_is_read():
-    """Where neither engine of fastmq._gmac runs, an end tags through
+    """Where no libcrypto loads for fastmq._gmac, an end tags through
     `cryptography`: the two kinds of end talk to each other, both ways,
-    small messages, headers and large segments alike."""
-    key = _seal.new_key()
+    small messages, headers and segments alike."""
+    key = _keys.new_message_key()
     fast, slow = _seal.Seal("mac", key), _seal.Seal("mac", key)
-    slow._gmac = slow._gmac_large = None
-    assert fast._gmac is not None and fast._gmac_large is not None
+    slow._gmac = None
+    assert fast._gmac is not None
     header, body = b"h" * 28, memoryview(b"b" * 3000)
     for a, b in ((fast, slow), (slow, fast)):
         wire = memoryview(b"".join(bytes(p) for p in a.seal_whole(9, header, [body])))
@@ -385,22 +371,22 @@ def test_a_segments_tag_is_computed_once_the_segment_left():
     still each segment followed by its tag, which a reader accepts."""
     import numpy as np
 
-    key = _seal.new_key()
+    key = _keys.new_message_key()
     seal = _seal.Seal("mac", key)
     calls = []
     real = seal.tag      # every segment's tag ("mac": seal() tags through it too)
     seal.tag = lambda seq, index, part: calls.append(index) or real(seq, index, part)
-    payload = np.arange(int(2.5 * _tcp.SEGMENT_BYTES), dtype=np.uint8)
-    batches = _tcp.Outgoing(seal, 1, [payload]).batches()
-    first = next(batches)
-    assert calls == [] and sum(len(memoryview(p)) for p in first[2:]) == _tcp.SEGMENT_BYTES
-    rest = list(batches)
+    payload = np.arange(int(2.5 * _wire.SEGMENT_BYTES), dtype=np.uint8)
+    message = _wire.Outgoing(seal, 1, 1, [payload])
+    first = message.batch(0)
+    assert calls == [] and sum(len(memoryview(p)) for p in first[2:]) == _wire.SEGMENT_BYTES
+    rest = [message.batch(k) for k in range(1, message.n_batches)]
     assert calls == [0, 1, 2]
     wire = b"".join(bytes(p) for b in [first, *rest] for p in b)
     header = first[0]
     body = wire[len(header) + _seal.TAG_BYTES:]
     check = _seal.Seal("mac", key)
-    segs = [payload[o:o + _tcp.SEGMENT_BYTES] for o in range(0, len(payload), _tcp.SEGMENT_BYTES)]
+    segs = [payload[o:o + _wire.SEGMENT_BYTES] for o in range(0, len(payload), _wire.SEGMENT_BYTES)]
     off = 0
     for i, seg in enumerate(segs):
         assert body[off:off + len(seg)] == seg.tobytes()

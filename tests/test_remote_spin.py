@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from fastmq import _seal, _tcp
+from fastmq import _fanout, _stream, _wire
 
 MiB = 1 << 20
 
@@ -17,9 +17,8 @@ class _Open:
 
 
 def _connected_pair(spin_s: float):
-    seal = _seal.Seal("none", None)
-    fan = _tcp.Fanout("127.0.0.1", False, seal)
-    stream = _tcp.Stream(fan.address, False, seal, 0)
+    fan = _fanout.Fanout("127.0.0.1", False, "none", None)
+    stream = _stream.Stream(fan.address, False, "none", None, 0)
     stream.spin_s = spin_s
     stream.start_hello(_Open())
     deadline = time.monotonic() + 10
@@ -30,18 +29,24 @@ def _connected_pair(spin_s: float):
     return fan, stream
 
 
+def _wire_bytes(fan, payload) -> bytes:
+    """Message 1's bytes on the wire, as ``fan`` would send them."""
+    m = _wire.Outgoing(fan.seal, 1, 1, [payload])
+    return b"".join(bytes(p) for k in range(m.n_batches) for p in m.batch(k))
+
+
 def _waits_during(stream, monkeypatch, send) -> tuple[list, int]:
     """The frames ``stream`` receives while ``send`` runs in a thread, and
     how many times it waited in the kernel meanwhile."""
     waits = 0
-    real_wait = _tcp._wait
+    real_wait = _wire.wait
 
     def counting_wait(*args):
         nonlocal waits
         waits += 1
         return real_wait(*args)
 
-    monkeypatch.setattr(_tcp, "_wait", counting_wait)
+    monkeypatch.setattr(_wire, "wait", counting_wait)
     t = threading.Thread(target=send)
     t.start()
     try:
@@ -55,8 +60,7 @@ def test_the_window_restarts_while_a_large_message_keeps_arriving(monkeypatch):
     fan, stream = _connected_pair(spin_s=0.2)
     try:
         payload = bytes(range(256)) * (2 * MiB // 256)
-        wire = b"".join(bytes(p) for batch in
-                        _tcp.Outgoing(fan.seal, 1, [payload]).batches() for p in batch)
+        wire = _wire_bytes(fan, payload)
         sock = fan.readers[0].sock
         sock.setblocking(True)
 
@@ -81,8 +85,7 @@ def test_the_window_restarts_while_a_large_message_keeps_arriving(monkeypatch):
 def test_a_reader_idle_past_its_window_waits_in_the_kernel(monkeypatch):
     fan, stream = _connected_pair(spin_s=0.01)
     try:
-        wire = b"".join(bytes(p) for batch in
-                        _tcp.Outgoing(fan.seal, 1, [b"late"]).batches() for p in batch)
+        wire = _wire_bytes(fan, b"late")
         sock = fan.readers[0].sock
 
         def send():

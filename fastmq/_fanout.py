@@ -1,0 +1,512 @@
+"""The writer's end of the remote path (``fastmq._wire``): a listening
+socket for the handshake, then one connection per remote reader, each with
+the bytes it is still owed (``fastmq._outbox``).
+
+The port is reachable by anyone on the network, so nothing an
+unauthenticated peer sends may stall or abort the handshake: each
+connection that has not proven the queue's key has a deadline
+(``UNPROVEN_DEADLINE_S``), at most ``MAX_UNPROVEN`` are held (the oldest
+is dropped for a newcomer), an accept that fails for want of descriptors
+drops the oldest and backs off instead of spinning, refusals are logged at
+most once per ``REFUSAL_LOG_S``, and a ZMQ peer (vLLM's own queue, fastmq
+not active in the reader's process) is named in the log and in the error
+if the handshake is cancelled, but never ends it.
+
+Every wait is sliced (``_wire.SLICE_S``): shutdown, deadlines and dead
+peers are noticed between slices.  Sends are non-blocking: a writer pushes
+to every reader in turn, so one slow reader's full socket buffer does not
+stall the others'.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import select
+import socket
+import sys
+import threading
+import time
+
+from fastmq import _keys, _seal, _wire
+from fastmq._outbox import Outbox
+from fastmq._wire import CHALLENGE, HELLO, MAGIC, READY, PeerGone
+
+logger = logging.getLogger("fastmq")
+
+UNPROVEN_DEADLINE_S = 10.0
+MAX_UNPROVEN = 64
+ACCEPT_BACKOFF_S = 0.05
+REFUSAL_LOG_S = 10.0
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+class _Joining:
+    """A connection that has not proven it is a reader yet."""
+
+    __slots__ = ("sock", "peer", "since", "hs", "challenge", "got", "identity", "ready")
+
+    def __init__(self, sock, peer, hs: _keys.Handshake, mode_code: int):
+        self.sock, self.peer, self.hs = sock, peer, hs
+        self.since = time.monotonic()
+        self.challenge = CHALLENGE.pack(MAGIC, _wire.VERSION, mode_code, hs.nonce, hs.public)
+        self.got = b""
+        self.identity = None   # (rank, pid) once proven
+        self.ready = b""       # its READY's wrapped key, once proven
+
+class _Reader:
+    """A remote reader's connection after the handshake."""
+
+    __slots__ = ("sock", "fd", "rank", "pid", "out", "error")
+
+    def __init__(self, sock, rank, pid):
+        self.sock, self.fd, self.rank, self.pid = sock, sock.fileno(), rank, pid
+        self.out = Outbox()
+        self.error: str | None = None
+
+    def write(self) -> int:
+        try:
+            return self.out.write(self.fd)
+        except OSError as e:
+            raise PeerGone(str(e)) from e
+
+    def describe(self) -> str:
+        return f"remote reader rank {self.rank} (pid {self.pid} on its node)"
+
+
+class Fanout:
+    """The writer's end: the handshake, then the messages, to every remote
+    reader; ``psk`` is the queue's pre-shared key (None: ``"none"``)."""
+
+    CLOSE_GRACE_S = 2.0
+
+    def __init__(self, connect_ip: str, ipv6: bool, security: str, psk: bytes | None):
+        self.psk = psk
+        self.mode_code = _wire.MODE_CODES[security]
+        # The message key: random per queue, handed to each reader under
+        # its connection's own key, never derived from what crosses the wire.
+        self.seal = _seal.Seal(security, _keys.new_message_key() if psk else None)
+        # Seal counters: next() is one call, so a value once taken is never
+        # handed out again, whatever exception follows.
+        self._counters = itertools.count(1)
+        family = socket.AF_INET6 if ipv6 else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self.listener.bind((connect_ip.strip("[]"), 0))
+            self.listener.listen(64)
+            self.listener.setblocking(False)
+        except BaseException:
+            self.listener.close()
+            raise
+        port = self.listener.getsockname()[1]
+        self.address = f"tcp://{connect_ip}:{port}"
+        self._joining: list[_Joining] = []
+        self.readers: list[_Reader] = []
+        self.broken: str | None = None   # why the readers can no longer be served
+        self.failed: str | None = None   # why the handshake did not complete
+        self.zmq_peer: str | None = None  # the last ZMQ peer that knocked
+        self._message: _wire.Outgoing | None = None   # the one going out
+        self._sealed: list = []     # its batches computed so far
+        self._last_seq = 0          # the last message committed
+        self._drainer = None        # sends the rest of a message past its deadline
+        self._accept_after = 0.0    # accepting paused until (out of descriptors)
+        self._refusals = 0          # refusals not logged yet
+        self._refusal_logged = -REFUSAL_LOG_S
+        self._ended = False
+        self._closing = False
+        self._poll = None
+
+    # -- handshake ------------------------------------------------------------------
+    def fds(self) -> list:
+        """What the handshake waits on (the listener, unless accepting is
+        paused, and the joining sockets)."""
+        if self.listener is None:
+            return []
+        lst = [self.listener] if time.monotonic() >= self._accept_after else []
+        return lst + [j.sock for j in self._joining]
+
+    def handshake_step(self, n_readers: int) -> bool:
+        """Accept connections, check the hellos that arrived, and once
+        exactly ``n_readers`` readers have proven themselves, send each
+        READY and stop listening.  Never waits, never raises for what an
+        unauthenticated peer does; True once done."""
+        if self.listener is None:
+            return True
+        now = time.monotonic()
+        if now >= self._accept_after:
+            self._accept(now)
+        for j in list(self._joining):
+            if j.identity is None and now - j.since > UNPROVEN_DEADLINE_S:
+                self._reject(j, f"did not complete the handshake in {UNPROVEN_DEADLINE_S:.0f} s")
+            else:
+                self._read_hello(j)
+        self._log_refusals(now)
+        proven = [j for j in self._joining if j.identity is not None]
+        # Exactly: a surplus means one of them already left (its close has
+        # not been read yet) and will drop out.
+        if len(proven) != n_readers:
+            return False
+        for j in proven:
+            rank, pid = j.identity
+            try:
+                j.sock.sendall(READY.pack(MAGIC, j.ready))
+            except OSError as e:
+                self.failed = (f"remote reader rank {rank} (pid {pid} on its node) dropped "
+                               f"its connection during the handshake ({e})")
+                raise RuntimeError(f"fastmq: {self.failed}") from e
+            self.readers.append(_Reader(j.sock, rank, pid))
+        for j in self._joining:
+            if j.identity is None:
+                j.sock.close()
+        self._joining = []
+        self.listener.close()
+        self.listener = None
+        self._poll = select.poll()
+        for r in self.readers:
+            self._poll.register(r.fd, select.POLLIN | _wire.HUP)
+        return True
+
+    def _accept(self, now: float) -> None:
+        for _ in range(MAX_UNPROVEN):
+            try:
+                sock, peer = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in _OUT_OF_FDS:
+                    # The connection stays queued, so the listener stays
+                    # readable: free a descriptor and wait a little
+                    # rather than fail the same accept again and again.
+                    if self._joining:
+                        self._reject(self._oldest_unproven(), "was dropped: this process ran "
+                                     "out of file descriptors")
+                    self._accept_after = now + ACCEPT_BACKOFF_S
+                    self._refused(f"accepting a connection failed ({e.strerror})")
+                    return
+                continue   # e.g. ECONNABORTED: that peer is gone already
+            unproven = [j for j in self._joining if j.identity is None]
+            if len(unproven) >= MAX_UNPROVEN:
+                self._reject(unproven[0], f"was dropped for a newer connection (at most "
+                             f"{MAX_UNPROVEN} unproven ones are held)")
+            try:
+                _wire.tune(sock)
+                j = _Joining(sock, peer, _keys.Handshake(self.psk), self.mode_code)
+                sock.sendall(j.challenge)
+            except OSError:
+                sock.close()
+                continue
+            self._joining.append(j)
+
+    def _oldest_unproven(self) -> _Joining:
+        return min((j for j in self._joining if j.identity is None),
+                   key=lambda j: j.since, default=self._joining[0])
+
+    def _read_hello(self, j: _Joining) -> None:
+        try:
+            data = j.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            # Gone before READY: a reader that died, or a stranger.
+            self._drop(j)
+            return
+        if j.identity is not None:
+            return self._reject(j, "sent bytes after its hello")
+        j.got += data
+        if _wire.is_zmtp(j.got):
+            # vLLM's own reader reconnects (ZMQ does) and comes back: named
+            # while the handshake waits, and if it ends without the reader.
+            self.zmq_peer = j.peer[0]
+            return self._reject(j, "speaks ZMQ (a reader attached with vLLM's own "
+                                "MessageQueue, fastmq not active in its process?)")
+        if len(j.got) < HELLO.size:
+            # (a ZMQ greeting, 0xFF first, is told apart once 10 bytes are here)
+            if j.got[0] != 0xFF and j.got[:len(MAGIC)] != MAGIC[:len(j.got)]:
+                self._reject(j, "is not a fastmq reader")
+            return
+        if len(j.got) > HELLO.size:
+            return self._reject(j, "sent more than a hello")
+        magic, rank, pid, _nonce, public, proof = HELLO.unpack(j.got)
+        if magic != MAGIC:
+            return self._reject(j, "is not a fastmq reader")
+        transcript = j.challenge + j.got[:HELLO.size - _keys.PROOF_BYTES]
+        if not j.hs.proven(proof, b"reader", transcript):
+            return self._reject(j, "did not prove it holds this queue's key")
+        try:
+            wrapped = j.hs.wrap(self.seal.key, public, transcript)
+        except ValueError:
+            return self._reject(j, "sent an unusable public key")
+        j.ready = wrapped
+        j.identity = (rank, pid)
+
+    def _drop(self, j: _Joining) -> None:
+        if j in self._joining:
+            self._joining.remove(j)
+        j.sock.close()
+
+    def _reject(self, j: _Joining, why: str) -> None:
+        self._drop(j)
+        self._refused(f"a connection from {j.peer[0]} {why}")
+
+    def _refused(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._refusal_logged >= REFUSAL_LOG_S:
+            more = f" ({self._refusals} more refused since the last such line)" \
+                if self._refusals else ""
+            logger.warning("fastmq: this queue's remote port refused %s%s", what, more)
+            self._refusal_logged, self._refusals = now, 0
+        else:
+            self._refusals += 1
+
+    def _log_refusals(self, now: float) -> None:
+        if self._refusals and now - self._refusal_logged >= REFUSAL_LOG_S:
+            logger.warning("fastmq: this queue's remote port refused %d more connections",
+                           self._refusals)
+            self._refusal_logged, self._refusals = now, 0
+
+    def missing(self, n_readers: int) -> str:
+        proven = sum(j.identity is not None for j in self._joining)
+        out = f"remote readers ({proven} connected and proven, {n_readers} expected)"
+        if self.zmq_peer is not None:
+            out += (f"; a peer at {self.zmq_peer} speaks ZMQ: a reader attached with vLLM's "
+                    "own MessageQueue (fastmq not active in its process?)")
+        return out
+
+    # -- messages -------------------------------------------------------------------
+    def check_ready(self) -> None:
+        """Raise unless the handshake completed: before it, or after it
+        failed, no remote reader would get a message."""
+        if self.listener is not None:
+            why = self.failed or "wait_until_ready() has not returned"
+            raise RuntimeError(f"fastmq: this queue's remote readers are not connected "
+                               f"({why}); no remote reader would receive the message")
+
+    def check_readers(self) -> None:
+        """Raise if a reader's connection closed or broke since the
+        handshake (it can never take another message), or if the queue's
+        remote side is broken for an earlier reason."""
+        events = self._poll.poll(0) if self.broken is None and self._poll is not None else ()
+        if events:
+            for fd, _ in events:
+                r = next(r for r in self.readers if r.fd == fd)
+                try:
+                    data = r.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                why = "sent bytes after the handshake" if data else "disconnected"
+                self._break(r, why)
+                break
+        if self.broken is not None:
+            raise RuntimeError(f"fastmq: {self.broken}")
+
+    def _break(self, r: _Reader, why: str) -> None:
+        r.error = why
+        r.out.clear()
+        self.broken = (
+            f"{r.describe()} {why} from the writer after the handshake: it died or its "
+            "node is unreachable; messages sent since would not reach it, and a remote "
+            "reader cannot rejoin a running queue")
+
+    @property
+    def shutting_down(self) -> bool:
+        """For the drain thread's waits (see ``_wire.wait``): the queue closed."""
+        return self._closing
+
+    def _owed(self) -> bool:
+        return self._message is not None or \
+            any(r.out.owed for r in self.readers if r.error is None)
+
+    def wait_drained(self, until: float | None, end) -> None:
+        """Wait (as ``_wire.wait`` does: deadline, shutdown) until the rest
+        of an earlier message is out: what the drain thread sends, or what
+        an exception left unsent."""
+        t = self._drainer
+        while t is not None and t.is_alive():
+            if end.shutting_down:
+                raise RuntimeError("cancelled")
+            slice_s = _wire.SLICE_S
+            if until is not None:
+                slice_s = min(slice_s, until - time.monotonic())
+                if slice_s <= 0:
+                    raise TimeoutError("fastmq: a remote reader did not take the previous "
+                                       "message in time")
+            t.join(slice_s)
+        self._drainer = None
+        if self._owed():
+            self.push(until, end, committing=False)
+
+    # A message goes out as batches of sealed parts (Outgoing.batch), each
+    # computed once, when the fastest reader needs it; each reader's outbox
+    # counts the batches it was given, so a reader that is ahead is not
+    # held to a slower one's pace, only the message as a whole is
+    # (enqueue() returns once every reader has all of it).
+    def begin(self, buffers: list) -> _wire.Outgoing:
+        """Start sending a message: it takes the next seal counter (gone
+        for good, whatever happens next) and the next sequence number."""
+        self._seq = self._last_seq + 1
+        message = _wire.Outgoing(self.seal, next(self._counters), self._seq, buffers)
+        self._message, self._sealed = message, []
+        for r in self.readers:
+            r.out.mark()
+        return message
+
+    @property
+    def written_any(self) -> bool:
+        """Whether some byte of the current message reached a socket (the
+        outboxes count it with the write itself)."""
+        return any(r.out.sent for r in self.readers)
+
+    def commit(self) -> None:
+        """The current message is the readers' now: its sequence number is used."""
+        self._last_seq = self._seq
+
+    def _refill(self, r: _Reader) -> bool:
+        """Queue ``r``'s next batch; False when it has the whole message."""
+        m = self._message
+        k = r.out.batches
+        if m is None or k >= m.n_batches:
+            return False
+        if k == len(self._sealed):
+            self._sealed.append(m.batch(k))
+        r.out.add(self._sealed[k])
+        return True
+
+    def discard(self) -> None:
+        """Drop a message of which nothing was written."""
+        self._message, self._sealed = None, []
+        for r in self.readers:
+            r.out.clear()
+
+    def push(self, until: float | None, end=None, committing: bool = True,
+             until_commit: bool = False) -> bool:
+        """Write the message to every reader; True once all of it is in the
+        kernel (or, ``until_commit``, once its first byte is).
+
+        Before the first byte of the message is written (``written_any``),
+        ``until`` raises ``TimeoutError`` and ``end.shutting_down`` raises
+        ``RuntimeError("cancelled")``: nothing was sent.  After it, the
+        message is committed: shutdown no longer stops it, and ``until``
+        returns False (the caller then has what is left copied and sent in
+        the background, ``keep_rest``).  A reader whose
+        connection breaks is dropped (``broken`` says which).
+        ``committing=False``: only the rest of an earlier message is left;
+        the deadline and ``end`` apply throughout."""
+        active = [r for r in self.readers if r.error is None]
+        while active:
+            waiting = []
+            for r in active:
+                try:
+                    while True:
+                        if r.out.owed:
+                            r.write()
+                        if r.out.owed or not self._refill(r):
+                            break
+                except PeerGone as e:
+                    self._break(r, f"disconnected ({e})")
+                    continue
+                if r.out.owed:
+                    waiting.append(r)
+            if not waiting:
+                break
+            if until_commit and self.written_any:
+                return True
+            active = waiting
+            committed = committing and self.written_any
+            try:
+                _wire.wait([(r.fd, select.POLLOUT) for r in active], until,
+                           None if committed else end)
+            except TimeoutError:
+                if committed:
+                    return False
+                raise TimeoutError(f"fastmq: {', '.join(r.describe() for r in active)} "
+                                   "did not take the message in time") from None
+        # Every reader has it all: nothing of the caller's is referenced now.
+        self._message, self._sealed = None, []
+        return True
+
+    def keep_rest(self) -> None:
+        """Past a deadline (or an exception) after the commit: what each
+        reader has still to get is sealed now and becomes its own copy, so
+        that nothing the caller owns is referenced once ``enqueue()``
+        returns; a thread sends it, and the next message waits for that
+        thread first."""
+        if self._drainer is not None and self._drainer.is_alive():
+            return   # (called again by an exception's path: the thread owns the rest)
+        copies: dict = {}   # a part queued for several readers is copied once
+        for r in self.readers:
+            if r.error is None:
+                while self._refill(r):
+                    pass
+                r.out.own_rest(copies)
+        self._message, self._sealed = None, []
+        # Sent in the background: the caller may wait for the readers'
+        # answers before it enqueues again (vLLM's engine does).
+        self._drainer = threading.Thread(target=self._drain, name="fastmq-remote-drain",
+                                         daemon=True)
+        self._drainer.start()
+
+    def _drain(self) -> None:
+        try:
+            self.push(None, self, committing=False)
+        except RuntimeError:   # closed first (see close)
+            pass
+        except BaseException as e:
+            logger.warning("fastmq: sending the rest of a remote message failed: %r", e)
+
+    def end_stream(self, grace_s: float) -> None:
+        """Send every reader the sealed end of the stream, after the last
+        message: a reader then tells this clean close from a cut connection
+        or a tail of messages dropped on the way.  At most ``grace_s`` for
+        it to be taken; once."""
+        if self._ended or self.listener is not None or self._owed():
+            return
+        self._ended = True
+        parts = _wire.end_of_stream(self.seal, next(self._counters), self._last_seq)
+        waiting = [r for r in self.readers if r.error is None]
+        for r in waiting:
+            r.out.mark()
+            r.out.add(parts)
+        until = time.monotonic() + grace_s
+        while waiting:
+            for r in list(waiting):
+                try:
+                    r.write()
+                except PeerGone:
+                    r.out.clear()
+                if not r.out.owed:
+                    waiting.remove(r)
+            try:
+                if waiting:
+                    _wire.wait([(r.fd, select.POLLOUT) for r in waiting], until, None)
+            except TimeoutError:
+                return
+
+    def close(self, linger=None) -> None:
+        """Close every socket, after the end of the stream.  What
+        ``sendmsg`` took is the kernel's: it is still delivered (and then
+        the connection closed) after this.  The rest of a message that the
+        drain thread is still sending gets a short grace first."""
+        t = self._drainer
+        if t is not None and t.is_alive():
+            t.join(self.CLOSE_GRACE_S)
+            self._closing = True
+            t.join(1.0)
+        if (t is not None and t.is_alive()) or self._owed():
+            logger.warning("fastmq: a remote queue was closed while a slow reader had "
+                           "not taken the rest of a message whose enqueue() returned "
+                           "at its deadline; that reader misses it")
+        elif self.listener is None and not sys.is_finalizing():
+            self.end_stream(0.5)
+        self._closing = True
+        for s in ([self.listener] if self.listener is not None else []) + \
+                [j.sock for j in self._joining] + [r.sock for r in self.readers]:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.listener = None
+        self._joining = []

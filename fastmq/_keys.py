@@ -1,0 +1,240 @@
+"""Where the remote path's keys come from, and the per-connection handshake
+that hands each reader the queue's message key.
+
+Two roots of trust (the threat model: docs/operations.md, "Security"):
+
+* **a deployment secret** (``FASTMQ_SECRET``, or a file named by
+  ``FASTMQ_SECRET_FILE``), the same on every node and given out of band.
+  Each queue's pre-shared key is HKDF-SHA256(secret, salt), with a fresh
+  16-byte salt per queue that travels in the ``Handle``: the handle then
+  holds no key, and whoever saw how handles were handed out learns
+  nothing;
+* **without one**, a fresh random 32-byte key per queue that travels in the
+  ``Handle`` (``remote_key``): authentic against everyone who did not see
+  the channel that hands handles to readers.
+
+The pre-shared key only authenticates the handshake; no message is sealed
+under it.  Each connection agrees a key of its own (X25519, both sides'
+key pairs fresh and forgotten once the handshake is over); the writer sends
+the queue's message key (random per queue, never derived from anything
+that crosses the wire) wrapped under it.  So someone who only recorded the
+setup traffic, or a whole session, cannot read or forge later traffic,
+even if the pre-shared key is learnt afterwards (forward secrecy); someone
+who holds the pre-shared key *and* sits on the path during the handshake
+can (a man in the middle), which is why the deployment secret exists.
+
+Handshake, on each connection (``fastmq._wire`` has the formats)::
+
+    writer -> reader  CHALLENGE  writer nonce, writer public key
+    reader -> writer  HELLO      rank, pid, reader nonce, reader public key,
+                                 proof = HMAC(handshake key, "reader" | CHALLENGE | HELLO)
+    writer -> reader  READY      AES-GCM(connection key, message key, aad=CHALLENGE | HELLO)
+
+connection key = HKDF(X25519(...), salt = handshake key, info = the
+transcript's hash): a reader that cannot prove the pre-shared key never
+gets READY; a writer that does not hold it cannot make a READY that opens.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+
+logger = logging.getLogger("fastmq")
+
+KEY_BYTES = 32
+SALT_BYTES = 16
+KEY_ID_BYTES = 8
+NONCE_BYTES = 16        # each side's handshake nonce
+PUBLIC_BYTES = 32       # an X25519 public key
+PROOF_BYTES = 32        # HMAC-SHA256
+WRAPPED_BYTES = KEY_BYTES + 16   # the message key and its GCM tag
+MIN_SECRET_BYTES = 16
+
+SECRET_ENV = "FASTMQ_SECRET"
+SECRET_FILE_ENV = "FASTMQ_SECRET_FILE"
+
+_logged_trust = False
+
+
+def _crypto():
+    try:
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric.x25519 import (X25519PrivateKey,
+                                                                      X25519PublicKey)
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    except ImportError as e:
+        raise RuntimeError("fastmq: the remote path's security needs the 'cryptography' "
+                           "package (pip install cryptography)") from e
+    return hashes, serialization, X25519PrivateKey, X25519PublicKey, AESGCM, HKDF
+
+
+def hkdf(ikm: bytes, salt: bytes | None, info: bytes, length: int = KEY_BYTES) -> bytes:
+    hashes, _, _, _, _, HKDF = _crypto()
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(ikm)
+
+
+def deployment_secret() -> bytes | None:
+    """The deployment secret from ``FASTMQ_SECRET`` or the file that
+    ``FASTMQ_SECRET_FILE`` names (not both), or None; a clear ``ValueError``
+    for an empty, short or unreadable one."""
+    value = os.environ.get(SECRET_ENV)
+    path = os.environ.get(SECRET_FILE_ENV)
+    if value is not None and path is not None:
+        raise ValueError(f"fastmq: both {SECRET_ENV} and {SECRET_FILE_ENV} are set; set one")
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                secret = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"fastmq: {SECRET_FILE_ENV}={path!r} cannot be read: "
+                             f"{e.strerror}") from None
+        where = f"the file {SECRET_FILE_ENV}={path!r}"
+    elif value is not None:
+        secret, where = value.strip().encode(), SECRET_ENV
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"fastmq: the deployment secret in {where} is {len(secret)} bytes; "
+                         f"it must be at least {MIN_SECRET_BYTES} (for example the output of "
+                         "`openssl rand -hex 32`)")
+    return secret
+
+
+def _key_id(psk: bytes) -> bytes:
+    return hmac.digest(psk, b"fastmq queue key id", "sha256")[:KEY_ID_BYTES]
+
+
+def new_writer_trust(security: str) -> dict:
+    """The writer's root of trust for a new queue: ``psk`` (None in
+    ``"none"``) and the handle fields that let a reader find the same key."""
+    if security == "none":
+        return {"psk": None, "remote_key": None, "remote_salt": None, "remote_key_id": None}
+    secret = deployment_secret()
+    _log_trust(secret is not None)
+    if secret is None:
+        psk = secrets.token_bytes(KEY_BYTES)
+        return {"psk": psk, "remote_key": psk, "remote_salt": None, "remote_key_id": None}
+    salt = secrets.token_bytes(SALT_BYTES)
+    psk = hkdf(secret, salt, b"fastmq queue pre-shared key")
+    return {"psk": psk, "remote_key": None, "remote_salt": salt, "remote_key_id": _key_id(psk)}
+
+
+def reader_psk(handle, security: str) -> bytes | None:
+    """The pre-shared key a remote reader of ``handle`` proves it holds."""
+    if security == "none":
+        return None
+    salt = getattr(handle, "remote_salt", None)
+    if salt is None:
+        key = getattr(handle, "remote_key", None)
+        if key is None or len(key) != KEY_BYTES:
+            raise ValueError(f"fastmq: remote security {security!r} needs a {KEY_BYTES}-byte "
+                             "key or a deployment secret's salt in the handle")
+        return key
+    secret = deployment_secret()
+    if secret is None:
+        raise RuntimeError(
+            f"fastmq: this queue's writer derives its keys from a deployment secret, and "
+            f"this process has none: set {SECRET_ENV} (or {SECRET_FILE_ENV}) to the "
+            "writer's value")
+    psk = hkdf(secret, salt, b"fastmq queue pre-shared key")
+    if not hmac.compare_digest(_key_id(psk), getattr(handle, "remote_key_id", b"") or b""):
+        raise RuntimeError(
+            f"fastmq: the deployment secret in this process ({SECRET_ENV} / "
+            f"{SECRET_FILE_ENV}) is not the one the queue's writer uses: set the same "
+            "value on every node")
+    return psk
+
+
+def _log_trust(with_secret: bool) -> None:
+    global _logged_trust
+    if _logged_trust:
+        return
+    _logged_trust = True
+    if with_secret:
+        logger.info("fastmq: remote readers are authenticated with keys derived from the "
+                    "deployment secret (%s / %s); no key travels in a queue's handle",
+                    SECRET_ENV, SECRET_FILE_ENV)
+    else:
+        logger.warning(
+            "fastmq: remote readers are authenticated with a key that travels in the "
+            "queue's handle: secure against anyone who did not see the traffic that hands "
+            "out handles (vLLM's process group, not encrypted) and against anyone who only "
+            "recorded it, but not against someone who saw it and sits between the nodes "
+            "during the handshake. Set %s (or %s, a file) to the same random value on every "
+            "node, e.g. `openssl rand -hex 32`, so that no key crosses the network",
+            SECRET_ENV, SECRET_FILE_ENV)
+
+
+class Handshake:
+    """One connection's side of the handshake under pre-shared key ``psk``
+    (None: security ``"none"``, where nothing is proven and the fields are
+    zeros)."""
+
+    def __init__(self, psk: bytes | None):
+        self.psk = psk
+        self.nonce = os.urandom(NONCE_BYTES)
+        if psk is None:
+            self._private = None
+            self.public = bytes(PUBLIC_BYTES)
+            self._hs_key = None
+            return
+        _, serialization, X25519PrivateKey, _, _, _ = _crypto()
+        self._private = X25519PrivateKey.generate()
+        self.public = self._private.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self._hs_key = hkdf(psk, None, b"fastmq handshake")
+
+    def prove(self, role: bytes, transcript: bytes) -> bytes:
+        if self._hs_key is None:
+            return bytes(PROOF_BYTES)
+        return hmac.digest(self._hs_key, role + transcript, "sha256")
+
+    def proven(self, proof, role: bytes, transcript: bytes) -> bool:
+        if self._hs_key is None:
+            return True
+        return hmac.compare_digest(bytes(proof), self.prove(role, transcript))
+
+    def _connection_key(self, peer_public: bytes, transcript: bytes) -> bytes:
+        _, _, _, X25519PublicKey, _, _ = _crypto()
+        try:
+            shared = self._private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        except ValueError:   # a low-order point: no shared secret
+            return b""
+        self._private = None   # forgotten: forward secrecy
+        return hkdf(shared, self._hs_key,
+                    b"fastmq connection " + hashlib.sha256(transcript).digest())
+
+    def wrap(self, message_key: bytes | None, peer_public: bytes, transcript: bytes) -> bytes:
+        """The writer's READY field: ``message_key`` under this connection's key."""
+        if self._hs_key is None:
+            return bytes(WRAPPED_BYTES)
+        _, _, _, _, AESGCM, _ = _crypto()
+        key = self._connection_key(peer_public, transcript)
+        if not key:
+            raise ValueError("the reader's public key is not usable")
+        # This connection's key seals exactly one message: a fixed nonce.
+        return AESGCM(key).encrypt(bytes(12), message_key, transcript)
+
+    def unwrap(self, wrapped, peer_public: bytes, transcript: bytes) -> bytes | None:
+        """The reader's side of ``wrap``: the message key, or None if READY
+        was not made by a holder of the pre-shared key."""
+        if self._hs_key is None:
+            return None
+        _, _, _, _, AESGCM, _ = _crypto()
+        from cryptography.exceptions import InvalidTag
+
+        key = self._connection_key(peer_public, transcript)
+        if not key:
+            return None
+        try:
+            return AESGCM(key).decrypt(bytes(12), bytes(wrapped), transcript)
+        except InvalidTag:
+            return None
+
+
+def new_message_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)

@@ -1,0 +1,404 @@
+"""A remote reader's end of the remote path (``fastmq._wire``): the
+connection to the writer, the handshake's reader half (``fastmq._keys``),
+and the receive of sealed messages into a small inbox.
+
+A reader trusts nothing it has not checked: a header is refused before its
+frames are taken if its form is wrong or it claims more than the limits,
+every tag is checked before what it covers is used, seal counters must
+rise and sequence numbers follow each other, and the end of the stream is
+a sealed message of its own, so that a clean close, a cut connection and
+a tail of messages dropped on the way are three different errors.  Once a
+check fails the stream cannot be trusted again: every later call says so.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import struct
+import threading
+import time
+
+from fastmq import _keys, _seal, _wire
+from fastmq._pool import BufferPool
+from fastmq._ring import CorruptChunkError
+from fastmq._wire import (CHALLENGE, END, HEAD, HELLO, MAGIC, PREAMBLE, READY, SEGMENT_BYTES,
+                          SEGMENTED, WHOLE, WHOLE_BYTES, PeerGone, WriterSpeaksZMTP)
+
+
+class StreamEnded(Exception):
+    """The writer closed the queue: a sealed end of the stream came after
+    the last message (``last_seq``) and this reader had them all."""
+
+    def __init__(self, last_seq: int):
+        super().__init__(last_seq)
+        self.last_seq = last_seq
+
+
+class StreamBroken(RuntimeError):
+    """The stream cannot be trusted from here on (a failed check, or a tail
+    of messages dropped on the way)."""
+
+
+class Stream:
+    """A remote reader's end.  ``recv`` is resumable: a deadline that passes
+    in the middle of a message leaves it half-read, and the next call goes
+    on from there (a ``dequeue()`` that timed out consumed nothing)."""
+
+    INBOX_BYTES = _wire.INBOX_BYTES
+    DIRECT_BYTES = 64 * 1024    # reads this large go straight into the frame
+
+    def __init__(self, address: str, ipv6: bool, security: str, psk: bytes | None,
+                 rank: int, keep_bytes: int = 0):
+        self.security = security
+        self.psk = psk
+        self.seal: _seal.Seal | None = _seal.Seal("none", None) if security == "none" else None
+        self.address = address
+        self.rank = rank
+        host, port = _wire.parse_address(address)
+        self.sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET,
+                                  socket.SOCK_STREAM)
+        _wire.tune(self.sock)
+        self.fd = self.sock.fileno()
+        self._connect_error = self.sock.connect_ex((host, port))
+        self._inbox = bytearray(self.INBOX_BYTES)
+        self._mv = memoryview(self._inbox)
+        self._lo = self._hi = 0
+        self._step = None    # the message being received (a generator)
+        # Large frames' memory, reused once the caller dropped it (see
+        # fastmq._pool: fresh pages cost as much as receiving into them).
+        self.buffers = BufferPool(keep_bytes)
+        self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
+        self._received = 0   # bytes received so far (how _drive sees progress)
+        self.last_seq = 0    # the last message taken
+        self._counter = 0    # its seal counter
+        self._failed: BaseException | None = None   # the check that failed, for good
+        self.ended: StreamEnded | None = None
+
+    # -- waiting ---------------------------------------------------------------------
+    def _drive(self, gen, until, end):
+        """Run ``gen`` (which yields when it needs more bytes) to its end.
+
+        Spins for ``spin_s`` first (non-blocking receives), then waits in
+        the kernel: a message that follows closely is taken without the
+        wakeup of a sleeping process, which on loopback costs more than
+        the message itself."""
+        spin_until = None
+        seen = -1
+        while True:
+            try:
+                next(gen)
+            except StopIteration as s:
+                return s.value
+            now = time.perf_counter()
+            if self._received != seen:
+                # Bytes keep coming (a large message): the next ones are a
+                # socket buffer's drain away, not a step away, so the
+                # window restarts rather than each refill costing a wakeup.
+                seen = self._received
+                spin_until = now + self.spin_s
+            if now < spin_until:
+                # Give the core back to a writer or reader sharing it (more
+                # busy processes than cores: the writer may be waiting for
+                # this one to get off its core).
+                os.sched_yield()
+                continue
+            _wire.wait([(self.fd, select.POLLIN)], until, end)
+
+    def _ensure(self, n: int):
+        """Generator: make ``n`` bytes contiguous in the inbox."""
+        if n > self.INBOX_BYTES:   # the callers' limits keep n below; never trust it
+            raise CorruptChunkError(f"fastmq: remote reader: a header of {n} bytes from "
+                                    f"{self.address} does not fit the inbox")
+        while self._hi - self._lo < n:
+            if self._lo and self._lo + n > self.INBOX_BYTES:
+                have = self._hi - self._lo
+                self._mv[:have] = self._mv[self._lo:self._hi]
+                self._lo, self._hi = 0, have
+            k = self._recv_into(self._mv[self._hi:])
+            if k is None:
+                yield
+            else:
+                self._hi += k
+
+    def _recv_into(self, view) -> int | None:
+        try:
+            k = self.sock.recv_into(view)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            raise PeerGone(str(e)) from e
+        if k == 0:
+            raise PeerGone("closed")
+        self._received += k
+        return k
+
+    def _take(self, n: int) -> memoryview:
+        v = self._mv[self._lo:self._lo + n]
+        self._lo += n
+        return v
+
+    def _read_into(self, out: memoryview):
+        """Generator: fill ``out`` from the stream."""
+        have = min(self._hi - self._lo, len(out))
+        if have:
+            out[:have] = self._take(have)
+        while have < len(out):
+            rest = out[have:]
+            if len(rest) >= self.DIRECT_BYTES:
+                k = self._recv_into(rest)
+                if k is None:
+                    yield
+                else:
+                    have += k
+            else:
+                yield from self._ensure(len(rest))
+                out[have:] = self._take(len(rest))
+                have = len(out)
+
+    # -- handshake -------------------------------------------------------------------
+    # The reader's half runs in two steps: a short-lived thread, started
+    # with the reader, connects and answers the writer's challenge, so the
+    # writer's wait_until_ready() can complete even before this reader's is
+    # called (as it can with local readers, in one thread); then
+    # wait_until_ready() waits for the writer's READY and opens it.
+    def start_hello(self, end) -> None:
+        self._hello_error = None
+        self._hs = self._transcript = self._writer_public = None
+        self._hello_thread = threading.Thread(target=self._hello, args=(end,), daemon=True,
+                                              name="fastmq-remote-hello")
+        self._hello_thread.start()
+
+    def _hello(self, end) -> None:
+        try:
+            if self._connect_error not in (0, errno.EINPROGRESS):
+                self._refused(self._connect_error)
+            while not _wire.wait([(self.fd, select.POLLOUT)], None, end):
+                pass   # the connect completes (or fails) first
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                self._refused(err)
+            self._drive(self._answer_challenge(), None, end)
+        except BaseException as e:
+            self._hello_error = e
+
+    def handshake(self, end) -> None:
+        t = self._hello_thread
+        while t.is_alive():
+            if end.shutting_down:
+                raise RuntimeError("cancelled")
+            t.join(_wire.SLICE_S)
+        try:
+            if self._hello_error is not None:
+                raise self._hello_error
+            self._drive(self._await_ready(), None, end)
+        except PeerGone:
+            raise RuntimeError(
+                f"fastmq: the writer at {self.address} closed the connection during the "
+                "handshake: it is gone, it did not accept this reader's key, or its "
+                "handshake completed without this reader (a reader cannot join, or after "
+                "a disconnect rejoin, a queue once the writer's wait_until_ready() has "
+                "returned; create a new queue)") from None
+        finally:
+            self._hello_error = None
+
+    def _refused(self, err: int) -> None:
+        raise RuntimeError(
+            f"fastmq: cannot connect to the writer at {self.address} "
+            f"({os.strerror(err)}): the writer is gone, or its handshake completed "
+            "without this reader (a reader cannot join, or after a disconnect rejoin, a "
+            "queue once the writer's wait_until_ready() has returned; create a new queue)")
+
+    def _answer_challenge(self):
+        yield from self._ensure(_wire.ZMTP_SIGNATURE_LEN)
+        if _wire.is_zmtp(bytes(self._mv[self._lo:self._hi])):
+            raise WriterSpeaksZMTP()
+        magic, version, mode = PREAMBLE.unpack_from(self._mv, self._lo)
+        if magic != MAGIC or version != _wire.VERSION:
+            raise RuntimeError(f"fastmq: the peer at {self.address} is not a fastmq writer "
+                               f"of this version (protocol {bytes(magic)!r} version "
+                               f"{version}, this reader speaks {_wire.VERSION}): use the "
+                               "same fastmq on every node")
+        if mode != _wire.MODE_CODES[self.security]:
+            raise RuntimeError(f"fastmq: the writer at {self.address} uses remote security "
+                               f"mode {_seal.MODES[mode] if mode < len(_seal.MODES) else mode!r}"
+                               f" but the handle says {self.security!r}")
+        yield from self._ensure(CHALLENGE.size)
+        challenge = bytes(self._take(CHALLENGE.size))
+        _, _, _, _, writer_public = CHALLENGE.unpack(challenge)
+        hs = _keys.Handshake(self.psk)
+        blank = HELLO.pack(MAGIC, self.rank, os.getpid(), hs.nonce, hs.public,
+                           bytes(_keys.PROOF_BYTES))
+        transcript = challenge + blank[:HELLO.size - _keys.PROOF_BYTES]
+        self.sock.sendall(blank[:HELLO.size - _keys.PROOF_BYTES] +
+                          hs.prove(b"reader", transcript))
+        self._hs, self._transcript, self._writer_public = hs, transcript, writer_public
+
+    def _await_ready(self):
+        yield from self._ensure(READY.size)
+        magic, wrapped = READY.unpack(self._take(READY.size))
+        key = None
+        if magic == MAGIC and self.security != "none":
+            key = self._hs.unwrap(wrapped, self._writer_public, self._transcript)
+        self._hs = self._transcript = None
+        if magic != MAGIC or (self.security != "none" and key is None):
+            raise RuntimeError(f"fastmq: the peer at {self.address} did not prove it is "
+                               "this queue's writer (it does not hold the queue's key)")
+        if key is not None:
+            self.seal = _seal.Seal(self.security, key)
+
+    # -- messages --------------------------------------------------------------------
+    def recv(self, until: float | None, end) -> list:
+        """The frames of the next message (bytearrays, checked); raises
+        ``TimeoutError`` (resumable), ``RuntimeError("cancelled")``,
+        ``StreamEnded`` (the writer closed the queue), ``PeerGone`` (the
+        connection closed without the end of the stream),
+        ``CorruptChunkError`` (a header or a tag that does not check) or
+        ``StreamBroken`` (an earlier check failed, or messages were dropped)."""
+        if self.ended is not None:
+            raise self.ended
+        if self._failed is not None:
+            raise StreamBroken(f"fastmq: remote reader: the stream from {self.address} "
+                               f"failed a check earlier ({self._failed}); nothing after it "
+                               "can be trusted") from None
+        if self._step is None:
+            self._step = self._message()
+        try:
+            frames = self._drive(self._step, until, end)
+        except (TimeoutError, RuntimeError) as e:
+            if isinstance(e, TimeoutError) or str(e) == "cancelled":
+                raise   # the half-read message stays, to be resumed
+            self._step = None
+            self._fail(e)
+            raise
+        except StreamEnded as e:
+            self._step = None
+            self.ended = e
+            raise
+        except BaseException as e:
+            self._step = None
+            if isinstance(e, (CorruptChunkError, StreamBroken)):
+                self._fail(e)
+            raise
+        self._step = None
+        return frames
+
+    def _fail(self, e: BaseException) -> None:
+        if not isinstance(e, PeerGone):
+            self._failed = e
+
+    def _message(self):
+        seal = self.seal
+        t = seal.tag_bytes
+        yield from self._ensure(HEAD.size)
+        kind, counter, seq, n = HEAD.unpack_from(self._mv, self._lo)
+        if kind not in (WHOLE, SEGMENTED, END) or \
+                not (n == 0 if kind == END else 1 <= n <= _wire.MAX_FRAMES):
+            raise CorruptChunkError(f"fastmq: remote reader: a malformed message header from "
+                                    f"{self.address} ({bytes(kind)!r}, {n} frames; at most "
+                                    f"{_wire.MAX_FRAMES})")
+        size = HEAD.size + 8 * n
+        if kind == END:
+            yield from self._ensure(size + t)
+            header = self._take(size)
+            if t and not seal.check_header(counter, header, self._take(t)):
+                raise self._unauthentic(seq)
+            if t and counter <= self._counter:
+                raise StreamBroken(f"fastmq: remote reader: an end of the stream from "
+                                   f"{self.address} repeats seal counter {counter} (a replay)")
+            if seq != self.last_seq:
+                raise StreamBroken(
+                    f"fastmq: remote reader: the writer closed the queue after message {seq}, "
+                    f"but this reader received only up to message {self.last_seq}: "
+                    f"messages were dropped on the way from {self.address}")
+            raise StreamEnded(seq)
+        yield from self._ensure(size)
+        lengths = struct.unpack_from(f"<{n}Q", self._mv, self._lo + HEAD.size)
+        total = sum(lengths)
+        if kind == WHOLE:
+            if total > WHOLE_BYTES:
+                raise CorruptChunkError(f"fastmq: remote reader: a malformed message header: "
+                                        f"message {seq} claims {total} bytes in a small "
+                                        "message's form")
+            yield from self._ensure(size + total + t)
+            wire = self._take(size + total + t)
+            body = seal.open_whole(counter, wire, size, total)
+            if body is None:
+                raise self._unauthentic(seq)
+            self._check_counter(counter, seq)
+            frames, off = [], 0
+            for length in lengths:
+                frames.append(bytearray(body[off:off + length]))
+                off += length
+            return frames
+        yield from self._ensure(size + t)
+        header = self._take(size)
+        if t and not seal.check_header(counter, header, self._take(t)):
+            raise self._unauthentic(seq)
+        if total > _wire.MAX_MESSAGE_BYTES:
+            raise CorruptChunkError(f"fastmq: remote reader: a malformed message header: "
+                                    f"message {seq} claims {total} bytes")
+        self._check_counter(counter, seq)
+        frames = []
+        index = 0
+        tag_buf = bytearray(t)
+        wire = None
+        for length in lengths:
+            frame = self._frame_buffer(length)
+            out = memoryview(frame)
+            for off in range(0, length, SEGMENT_BYTES):
+                seg = out[off:off + SEGMENT_BYTES]
+                if seal.encrypting:
+                    if wire is None:
+                        wire = memoryview(bytearray(SEGMENT_BYTES + t))
+                    w = wire[:len(seg) + t]
+                    yield from self._read_into(w)
+                    ok = seal.decrypt_into(counter, index, w, seg)
+                else:
+                    yield from self._read_into(seg)
+                    ok = True
+                    if t:
+                        # Tagged before the writer's tag is read: the writer
+                        # sends it after the segment, once it has computed it
+                        # too (Outgoing.batch), and both run at once.
+                        expected = seal.tag(counter, index, seg)
+                        yield from self._read_into(memoryview(tag_buf))
+                        ok = seal.matches(expected, tag_buf)
+                if not ok:
+                    raise self._unauthentic(seq)
+                index += 1
+            frames.append(frame)
+        return frames
+
+    def _frame_buffer(self, length: int):
+        """Writable memory for a received frame.  A large one comes from
+        the pool, not zeroed first (``bytearray(n)`` writes every page
+        once before the socket writes it again)."""
+        if length < self.DIRECT_BYTES:
+            return bytearray(length)
+        return self.buffers.take(length)
+
+    def _unauthentic(self, seq: int) -> CorruptChunkError:
+        return CorruptChunkError(f"fastmq: remote reader: message {seq} from {self.address} "
+                                 "failed authentication (not sealed with this queue's key)")
+
+    def _check_counter(self, counter: int, seq: int) -> None:
+        """A checked header's seal counter must rise (no replay) and its
+        sequence number follow the last one (no gap, no repeat); the
+        message is taken once both hold."""
+        if self.seal.tag_bytes and counter <= self._counter:
+            raise StreamBroken(f"fastmq: remote reader: message {seq} from {self.address} "
+                               f"repeats seal counter {counter} (a replay)")
+        if seq != self.last_seq + 1:
+            raise StreamBroken(
+                f"fastmq: this remote reader expected message {self.last_seq + 1} but "
+                f"received {seq}: a remote reader cannot rejoin a running queue")
+        self._counter, self.last_seq = counter, seq
+
+    def close(self, linger=None) -> None:
+        self.buffers.close()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
