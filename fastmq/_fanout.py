@@ -108,6 +108,7 @@ class Fanout:
         self._message: _wire.Outgoing | None = None   # the one going out
         self._sealed: list = []     # its batches computed so far
         self._last_seq = 0          # the last message committed
+        self._marked = 0            # the message the outboxes count the bytes of
         self._drainer = None        # sends the rest of a message past its deadline
         self._accept_after = 0.0    # accepting paused until (out of descriptors)
         self._refusals = 0          # refusals not logged yet
@@ -344,25 +345,35 @@ class Fanout:
     # counts the batches it was given, so a reader that is ahead is not
     # held to a slower one's pace, only the message as a whole is
     # (enqueue() returns once every reader has all of it).
+    @property
+    def next_seq(self) -> int:
+        return self._last_seq + 1
+
     def begin(self, buffers: list) -> _wire.Outgoing:
-        """Start sending a message: it takes the next seal counter (gone
-        for good, whatever happens next) and the next sequence number."""
-        self._seq = self._last_seq + 1
-        message = _wire.Outgoing(self.seal, next(self._counters), self._seq, buffers)
-        self._message, self._sealed = message, []
+        """Start sending the next message: it takes the next seal counter
+        (gone for good, whatever happens next) and the next sequence
+        number.  The outboxes count its bytes from here (``committed``)."""
+        seq = self._last_seq + 1
         for r in self.readers:
             r.out.mark()
+        self._marked = seq
+        message = _wire.Outgoing(self.seal, next(self._counters), seq, buffers)
+        self._message, self._sealed = message, []
         return message
+
+    def committed(self, seq: int) -> bool:
+        """Whether some byte of message ``seq`` reached a reader's socket
+        (counted by the outboxes with the write itself)."""
+        return self._marked == seq and self.written_any
 
     @property
     def written_any(self) -> bool:
-        """Whether some byte of the current message reached a socket (the
-        outboxes count it with the write itself)."""
+        """Whether some byte of the message begun last reached a socket."""
         return any(r.out.sent for r in self.readers)
 
     def commit(self) -> None:
         """The current message is the readers' now: its sequence number is used."""
-        self._last_seq = self._seq
+        self._last_seq = self._marked
 
     def _refill(self, r: _Reader) -> bool:
         """Queue ``r``'s next batch; False when it has the whole message."""
@@ -375,8 +386,11 @@ class Fanout:
         r.out.add(self._sealed[k])
         return True
 
-    def discard(self) -> None:
-        """Drop a message of which nothing was written."""
+    def discard(self, seq: int) -> None:
+        """Drop message ``seq``, of which nothing was written (the rest of
+        an earlier one, not begun over, stays)."""
+        if self._marked != seq:
+            return
         self._message, self._sealed = None, []
         for r in self.readers:
             r.out.clear()
@@ -434,8 +448,8 @@ class Fanout:
         that nothing the caller owns is referenced once ``enqueue()``
         returns; a thread sends it, and the next message waits for that
         thread first."""
-        if self._drainer is not None and self._drainer.is_alive():
-            return   # (called again by an exception's path: the thread owns the rest)
+        if (self._drainer is not None and self._drainer.is_alive()) or not self._owed():
+            return   # (called again by an exception's path, or nothing is left)
         copies: dict = {}   # a part queued for several readers is copied once
         for r in self.readers:
             if r.error is None:

@@ -93,14 +93,18 @@ def send_message(sock, msg_id: int, buffers: list, copy: bool = False) -> None:
     before the exception goes on (readers drop that message); if even that
     fails, ``SocketBroken`` is raised from it."""
     frames = [HEADER.pack(msg_id, len(buffers)), *buffers]
-    queued = 0
+    # Set before each send, not after: an exception that lands between a
+    # send and the next line must still end what may be queued (an ABORT
+    # with nothing before it is a message of its own, which readers drop).
+    opened = False
     try:
         for f in frames:
+            opened = True
             sock.send(f, zmq.SNDMORE, copy=copy)
-            queued += 1
         sock.send(END)
+        opened = False
     except BaseException:
-        if queued:
+        if opened:
             try:
                 sock.send(ABORT)
             except BaseException as e:
@@ -114,8 +118,16 @@ def send_message(sock, msg_id: int, buffers: list, copy: bool = False) -> None:
 def send_flush(sock):
     """Queue a flush message; its tracker is done once every message queued
     before it has left this process (see FLUSH_FILL)."""
-    sock.send(FLUSH_FILL, zmq.SNDMORE, copy=False)
-    return sock.send(FLUSH_MARK, copy=False, track=True)
+    opened = True   # (as in send_message: an ABORT alone is dropped by readers)
+    try:
+        sock.send(FLUSH_FILL, zmq.SNDMORE, copy=False)
+        tracker = sock.send(FLUSH_MARK, copy=False, track=True)
+        opened = False
+        return tracker
+    except BaseException:
+        if opened:
+            sock.send(ABORT)
+        raise
 
 
 def split_message(frames: list, where: str) -> tuple[int, list] | None:

@@ -361,41 +361,63 @@ class QueueWriter:
 
     # -- messages -----------------------------------------------------------------
     def enqueue(self, obj: Any, timeout: float | None) -> None:
+        if self.n_remote_reader:
+            return self._enqueue_remote(obj, timeout)
         with self._send_lock:
             try:
                 if self.shutting_down:
                     raise RuntimeError("cancelled")
-                if self.n_remote_reader == 0:
-                    # Node-local readers only: one call into the ring pickles
-                    # the message into the encoder's buffer, frames it into
-                    # the next chunk, publishes it and commits its arena
-                    # slots (or, raising, has published nothing and freed
-                    # them); it counts what it sent (see stats()).
-                    encoder = self.encoder
-                    framed = self.ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
-                    if framed <= 0:
-                        self._send_local_slow(obj, framed, timeout)
-                    if self._zmq_wakeup and not self._notify_failure_logged and \
-                            self.ring.notify_errors:
-                        self._log_notify_failure()
-                    return
-                arena = self.tensor_arena
-                ring = self.ring
-                published = ring.n_published if ring is not None else 0
-                try:
-                    buffers = self.encoder.encode(obj)
-                    self._send_with_remote(buffers, timeout, _sockets.deadline(timeout))
-                except BaseException:
-                    self._settle_arena(published)
-                    raise
-                if arena is not None:
-                    self._commit_arena()
-                if self._zmq_wakeup and ring.notify_errors and not self._notify_failure_logged:
+                # Node-local readers only: one call into the ring pickles
+                # the message into the encoder's buffer, frames it into the
+                # next chunk, publishes it and commits its arena slots (or,
+                # raising, has published nothing and freed them); it counts
+                # what it sent (see stats()).
+                encoder = self.encoder
+                framed = self.ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
+                if framed <= 0:
+                    self._send_local_slow(obj, framed, timeout)
+                if self._zmq_wakeup and not self._notify_failure_logged and \
+                        self.ring.notify_errors:
                     self._log_notify_failure()
             finally:
                 if self._close_pending:
                     # shutdown() ran in a signal handler during this call.
                     self._close_ring()
+
+    def _enqueue_remote(self, obj: Any, timeout: float | None) -> None:
+        """A queue with remote readers.  Any exception raised here once the
+        message is committed (some byte of it reached a reader's socket)
+        says so in a note: the message is delivered to every reader."""
+        fanout = self.fanout
+        seq = fanout.next_seq
+        try:
+            with self._send_lock:
+                try:
+                    if self.shutting_down:
+                        raise RuntimeError("cancelled")
+                    arena = self.tensor_arena
+                    ring = self.ring
+                    published = ring.n_published if ring is not None else 0
+                    try:
+                        buffers = self.encoder.encode(obj)
+                        self._send_with_remote(buffers, seq, timeout,
+                                               _sockets.deadline(timeout))
+                    except BaseException:
+                        self._settle_arena(published)
+                        raise
+                    if arena is not None:
+                        self._commit_arena()
+                    if self._zmq_wakeup and ring.notify_errors and \
+                            not self._notify_failure_logged:
+                        self._log_notify_failure()
+                finally:
+                    if self._close_pending:
+                        # shutdown() ran in a signal handler during this call.
+                        self._close_ring()
+        except BaseException as e:
+            if fanout.committed(seq) and not _noted(e):
+                e.add_note(_COMMITTED_NOTE)
+            raise
 
     def _send_local_slow(self, obj: Any, framed: int, timeout: float | None) -> None:
         """What ``ring.send_object`` left to do, with nothing published yet:
@@ -465,36 +487,38 @@ class QueueWriter:
         stats.overflow_messages += 1
         stats.overflow_bytes += _nbytes(buffers)
 
-    def _send_with_remote(self, buffers: list, timeout: float | None, until: float | None):
-        """Everything that can fail or time out happens before the remote
-        send's first byte is written: that is the commit point.  The ring
-        publish after it neither waits nor fails, nor can a signal handler
-        split the two; the rest of the message goes out after the publish,
-        so that local readers need not wait for the remote ones."""
+    def _send_with_remote(self, buffers: list, seq: int, timeout: float | None,
+                          until: float | None):
+        """Send message ``seq``.  Everything that can fail or time out
+        happens before the remote send's first byte is written: that is the
+        commit point.  The ring publish after it neither waits nor fails,
+        nor can a signal handler split the two; the rest of the message
+        goes out after the publish, so that local readers need not wait for
+        the remote ones."""
         ring = self.ring
         fanout = self.fanout
-        if ring is not None:
-            self._wait_turn(timeout)
-        # Backpressure: the rest of a message that was still going out at
-        # its deadline leaves first.
-        fanout.check_ready()
-        _wire.check_limits(buffers)
-        fanout.wait_drained(until, self)
-        fanout.check_readers()
         overflow = False
-        if ring is not None:
-            framed = ring.framed_size(buffers)
-            overflow = framed > ring.max_chunk_bytes
-            # /dev/shm too must fail here, not after the commit point.
-            ring.reserve_next(framed)
-        if overflow:
-            self._overflow_id += 1
-            _sockets.send_message(self.local_socket, self._overflow_id, buffers)
-            tracker = _sockets.send_flush(self.local_socket)
-            _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
         published = ring.n_published if ring is not None else 0
-        message = fanout.begin(buffers)
         try:
+            if ring is not None:
+                self._wait_turn(timeout)
+            fanout.check_ready()
+            _wire.check_limits(buffers)
+            # Backpressure: the rest of a message that was still going out
+            # at its deadline leaves first.
+            fanout.wait_drained(until, self)
+            fanout.check_readers()
+            if ring is not None:
+                framed = ring.framed_size(buffers)
+                overflow = framed > ring.max_chunk_bytes
+                # /dev/shm too must fail here, not after the commit point.
+                ring.reserve_next(framed)
+            if overflow:
+                self._overflow_id += 1
+                _sockets.send_message(self.local_socket, self._overflow_id, buffers)
+                tracker = _sockets.send_flush(self.local_socket)
+                _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
+            message = fanout.begin(buffers)
             fanout.push(until, self, until_commit=True)
             # Committed: the remote readers are getting the message.  The
             # ring must take it too, whatever happens now: the publish
@@ -509,33 +533,33 @@ class QueueWriter:
                 # Past the deadline: the rest goes out from a copy, in the
                 # background (see the README's limits).
                 fanout.keep_rest()
+            stats = self.stats_
+            if ring is not None:
+                if overflow:
+                    stats.overflow_messages += 1
+                    stats.overflow_bytes += _nbytes(buffers)
+                else:
+                    stats.ring_messages += 1
+                    stats.ring_bytes += ring.framed_size(buffers)
+            stats.remote_messages += 1
+            stats.remote_bytes += message.nbytes
+            if fanout.broken is not None:
+                # A reader's connection broke during this message: every
+                # other reader has it, that one cannot.
+                raise RuntimeError(f"fastmq: {fanout.broken}")
         except BaseException as e:
             # Whether any byte went out is counted with the write itself
             # (fastmq._outbox), so it is right whatever line raised.
-            if not fanout.written_any:
-                fanout.discard()
+            if not fanout.committed(seq):
+                fanout.discard(seq)
                 raise
             fanout.commit()
             if ring is not None and ring.n_published == published:
                 self._publish_committed(buffers, overflow)
             fanout.keep_rest()
-            e.add_note("fastmq: the message was committed before this exception and is "
-                       "delivered to every reader")
+            if not _noted(e):
+                e.add_note(_COMMITTED_NOTE)
             raise
-        stats = self.stats_
-        if ring is not None:
-            if overflow:
-                stats.overflow_messages += 1
-                stats.overflow_bytes += _nbytes(buffers)
-            else:
-                stats.ring_messages += 1
-                stats.ring_bytes += ring.framed_size(buffers)
-        stats.remote_messages += 1
-        stats.remote_bytes += message.nbytes
-        if fanout.broken is not None:
-            # A reader's connection broke during this message: every other
-            # reader has it, that one cannot.
-            raise RuntimeError(f"fastmq: {fanout.broken}")
 
     def _publish_committed(self, buffers: list, overflow: bool) -> None:
         if overflow:
@@ -570,6 +594,14 @@ class QueueWriter:
         if self.tensor_arena is not None:
             out.update(self.tensor_arena.stats())
         return out
+
+
+_COMMITTED_NOTE = ("fastmq: the message was committed before this exception and is "
+                   "delivered to every reader still connected")
+
+
+def _noted(e: BaseException) -> bool:
+    return _COMMITTED_NOTE in getattr(e, "__notes__", ())
 
 
 def _gone(ring) -> str:

@@ -56,3 +56,24 @@ def remote_reader_digest(handle, rank, conn):
     except Exception as e:
         conn.send(f"error {e!r}")
     time.sleep(0.1)
+
+
+def writer_short_of_descriptors(conn):
+    """A remote writer whose process may open only a few more descriptors
+    than it holds, so that accepting strangers soon fails (EMFILE); reports
+    the CPU time its wait_until_ready() took, then sends one message."""
+    import resource
+
+    from fastmq import MessageQueue
+
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    held = len(os.listdir("/proc/self/fd"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (held + 4, hard))
+    conn.send(mq.export_handle())
+    cpu = time.process_time()
+    mq.wait_until_ready()
+    cpu = time.process_time() - cpu
+    mq.enqueue("admitted")
+    conn.send(cpu)
+    time.sleep(0.5)
