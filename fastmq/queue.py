@@ -57,7 +57,8 @@ class MessageQueue:
     (default ``FASTMQ_REMOTE_SECURITY`` or ``"mac"``) protects the remote
     TCP path: ``"mac"`` authenticates the writer, the readers and every
     message, ``"encrypt"`` encrypts them too, ``"none"`` is plain TCP;
-    the key travels in the handle (see ``fastmq._seal``).
+    the readers' key comes from ``FASTMQ_SECRET`` / ``FASTMQ_SECRET_FILE``
+    when set, else it travels in the handle (see ``fastmq._keys``).
     ``enable_shm_tensor_arena`` defaults to ``None``: the tensor arena is on
     for local-only queues unless ``FASTMQ_ARENA=0``; ``arena_slots``,
     ``arena_slot_mb``, ``arena_min_mb``, ``arena_prefault`` and

@@ -219,7 +219,7 @@ def _committed(e: BaseException) -> bool:
 
 
 @pytest.mark.parametrize("security", ["mac", "encrypt"])
-def test_an_exception_anywhere_in_a_send_repeats_no_nonce_and_loses_nothing(security):
+def test_an_exception_anywhere_in_a_send_repeats_no_nonce_and_loses_nothing(procs, security):
     """An exception at every bytecode of fastmq's send path, for a small
     message and a segmented one, on a queue with a local and a remote
     reader: each reader gets exactly the messages whose enqueue()
@@ -228,7 +228,33 @@ def test_an_exception_anywhere_in_a_send_repeats_no_nonce_and_loses_nothing(secu
 
     It used to be possible for an exception to land between sendmsg and
     the line that recorded it: the message was dropped as unsent though
-    the reader had it, and the next one went out under the same nonce."""
+    the reader had it, and the next one went out under the same nonce.
+    (In a child process: the tracer's exceptions keep frames alive.)"""
+    import multiprocessing as mp
+
+    parent, child = mp.Pipe()
+    procs.start(_send_with_an_exception_everywhere, security, child)
+    assert parent.poll(240), "the injecting child did not finish"
+    result = parent.recv()
+    procs.join_all(30)
+    assert not isinstance(result, str), result
+    expected, got, outcomes, counters = result
+    assert got["local"] == expected
+    assert got["remote"] == expected
+    # Every kind of outcome happened, so the run went through the commit.
+    assert all(outcomes.values()), outcomes
+    assert len(counters) == len(expected) + 1
+    assert len(set(counters)) == len(counters), "a seal counter (nonce) was used twice"
+
+
+def _send_with_an_exception_everywhere(security, conn):
+    try:
+        conn.send(_inject_everywhere(security))
+    except BaseException:
+        conn.send(traceback.format_exc())
+
+
+def _inject_everywhere(security):
     w = MessageQueue(2, 1, connect_ip="127.0.0.1", remote_security=security,
                      max_chunk_bytes=1 << 16, enable_shm_tensor_arena=False)
     h = w.export_handle()
@@ -251,49 +277,41 @@ def test_an_exception_anywhere_in_a_send_repeats_no_nonce_and_loses_nothing(secu
     for t in readers:
         t.start()
     expected, outcomes = [], {"returned": 0, "committed": 0, "dropped": 0}
-    try:
-        for size in (100, int(1.5 * _wire.SEGMENT_BYTES)):
-            k = 0
-            while True:
-                k += 1
-                msg = (b"%d/%d:" % (size, k)).ljust(size, b".")
-                trace = _RaiseAt(k)
-                seq = fanout.next_seq
-                sys.settrace(trace)
-                try:
-                    w.enqueue(msg, timeout=60)
+    for size in (100, int(1.5 * _wire.SEGMENT_BYTES)):
+        k = 0
+        while True:
+            k += 1
+            msg = (b"%d/%d:" % (size, k)).ljust(size, b".")
+            trace = _RaiseAt(k)
+            seq = fanout.next_seq
+            sys.settrace(trace)
+            try:
+                w.enqueue(msg, timeout=60)
+                outcome = "returned"
+            except _Injected as e:
+                outcome = "committed" if _committed(e) else "dropped"
+                if outcome == "dropped" and fanout.next_seq != seq:
+                    # Sent, yet no note: only enqueue()'s own frames on
+                    # their way back to the caller, once every step of
+                    # the send was done, may raise so (the same as an
+                    # exception right after it returned: nothing can
+                    # tell the two apart).
+                    assert _on_the_way_out(e), traceback.format_exception(e)
                     outcome = "returned"
-                except _Injected as e:
-                    outcome = "committed" if _committed(e) else "dropped"
-                    if outcome == "dropped" and fanout.next_seq != seq:
-                        # Sent, yet no note: only enqueue()'s own frames on
-                        # their way back to the caller, once every step of
-                        # the send was done, may raise so (the same as an
-                        # exception right after it returned: nothing can
-                        # tell the two apart).
-                        assert _on_the_way_out(e), traceback.format_exception(e)
-                        outcome = "returned"
-                finally:
-                    sys.settrace(None)
-                outcomes[outcome] += 1
-                if outcome != "dropped":
-                    expected.append(msg)
-                if trace.n < k:          # the send ended before the k-th bytecode
-                    break
-        w.enqueue("done")
-        for t in readers:
-            t.join(120)
-        assert not any(t.is_alive() for t in readers)
-    finally:
-        sys.settrace(None)
-    assert got["local"] == expected
-    assert got["remote"] == expected
-    # Every kind of outcome happened, so the run went through the commit.
-    assert all(outcomes.values()), outcomes
+            finally:
+                sys.settrace(None)
+            outcomes[outcome] += 1
+            if outcome != "dropped":
+                expected.append(msg)
+            if trace.n < k:          # the send ended before the k-th bytecode
+                break
+    w.enqueue("done")
+    for t in readers:
+        t.join(120)
+    assert not any(t.is_alive() for t in readers)
     counters = [m.counter for m in parse_writer_bytes(relay.wire(), security)]
-    assert len(counters) == len(expected) + 1
-    assert len(set(counters)) == len(counters), "a seal counter (nonce) was used twice"
     relay.close()
+    return expected, got, outcomes, counters
 
 
 # -- strangers on the port ------------------------------------------------------------
