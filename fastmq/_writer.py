@@ -389,9 +389,12 @@ class QueueWriter:
         message is committed (some byte of it reached a reader's socket)
         says so in a note: the message is delivered to every reader."""
         fanout = self.fanout
-        seq = fanout.next_seq
+        seq = None
         try:
             with self._send_lock:
+                # Taken under the lock: another thread's enqueue() may have
+                # used the one before.
+                seq = fanout.next_seq
                 try:
                     if self.shutting_down:
                         raise RuntimeError("cancelled")

@@ -12,7 +12,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -133,7 +132,7 @@ def _opens_under(key, message: bytes, security) -> bool:
     if seal.open_whole(counter, memoryview(message), size,
                        len(message) - size - _seal.TAG_BYTES) is not None:
         return True
-    old = struct.Struct("<4sQI")      # the earlier header: the sequence number was the nonce
+    # (earlier versions sealed under the sequence number)
     return seal.open_whole(seq, memoryview(message), size,
                            len(message) - size - _seal.TAG_BYTES) is not None
 
