@@ -17,6 +17,8 @@ import pytest
 from fastmq import MessageQueue, _keys, _seal, _wire
 from fastmq._ring import CorruptChunkError
 
+from _relay import Relay
+
 
 def _ready(w, readers):
     ts = [threading.Thread(target=r.wait_until_ready) for r in readers]
@@ -153,51 +155,13 @@ def test_a_stranger_posing_as_the_writer_is_refused():
     fake.close()
 
 
-class _Middle:
-    """A man in the middle between a reader and the writer: relays the
-    handshake, then hands each later chunk of the writer's bytes to
-    ``tamper`` (which returns what to relay)."""
-
-    def __init__(self, writer_addr, tamper):
-        self.tamper = tamper
-        self.listen = socket.socket()
-        self.listen.bind(("127.0.0.1", 0))
-        self.listen.listen()
-        self.addr = f"tcp://127.0.0.1:{self.listen.getsockname()[1]}"
-        self.writer_addr = writer_addr
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self):
-        reader, _ = self.listen.accept()
-        writer = socket.create_connection(self.writer_addr)
-        threading.Thread(target=self._pipe, args=(reader, writer, None), daemon=True).start()
-        self._pipe(writer, reader, self.tamper)
-
-    def _pipe(self, src, dst, tamper):
-        seen = 0
-        while True:
-            try:
-                data = src.recv(1 << 20)
-            except OSError:
-                data = b""
-            if not data:
-                dst.close()
-                return
-            if tamper is not None and seen >= _wire.CHALLENGE.size + _wire.READY.size:
-                data = tamper(data)
-            seen += len(data)
-            try:
-                dst.sendall(data)
-            except OSError:
-                return
-
-
 def _through_middle(tamper, security="mac"):
+    """A writer and a reader with a man in the middle (``_relay.Relay``)
+    who hands each chunk of the writer's bytes after the handshake to
+    ``tamper`` (which returns what to relay)."""
     w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
-    h = w.export_handle()
-    m = _Middle(_wire.parse_address(h.remote_subscribe_addr), tamper)
-    r = MessageQueue.create_from_handle(dataclasses.replace(
-        h, remote_subscribe_addr=m.addr), 0)
+    m = Relay(w.export_handle(), tamper)
+    r = MessageQueue.create_from_handle(m.handle, 0)
     _ready(w, [r])
     return w, r
 
