@@ -178,17 +178,17 @@ class Fanout:
                     # The connection stays queued, so the listener stays
                     # readable: free a descriptor and wait a little
                     # rather than fail the same accept again and again.
-                    if self._joining:
-                        self._reject(self._oldest_unproven(), "was dropped: this process ran "
-                                     "out of file descriptors")
+                    oldest = self._oldest_unproven()
+                    if oldest is not None:
+                        self._reject(oldest, "this process ran out of file descriptors",
+                                     "dropped")
                     self._accept_after = now + ACCEPT_BACKOFF_S
-                    self._refused(f"accepting a connection failed ({e.strerror})")
+                    self._refused(f"could not accept a connection ({e.strerror})")
                     return
                 continue   # e.g. ECONNABORTED: that peer is gone already
-            unproven = [j for j in self._joining if j.identity is None]
-            if len(unproven) >= MAX_UNPROVEN:
-                self._reject(unproven[0], f"was dropped for a newer connection (at most "
-                             f"{MAX_UNPROVEN} unproven ones are held)")
+            if sum(j.identity is None for j in self._joining) >= MAX_UNPROVEN:
+                self._reject(self._oldest_unproven(), f"a newer one came and at most "
+                             f"{MAX_UNPROVEN} unproven ones are held", "dropped")
             try:
                 _wire.tune(sock)
                 j = _Joining(sock, peer, _keys.Handshake(self.psk), self.mode_code)
@@ -198,9 +198,10 @@ class Fanout:
                 continue
             self._joining.append(j)
 
-    def _oldest_unproven(self) -> _Joining:
-        return min((j for j in self._joining if j.identity is None),
-                   key=lambda j: j.since, default=self._joining[0])
+    def _oldest_unproven(self) -> _Joining | None:
+        """(``_joining`` is in the order of arrival; a proven reader is
+        never dropped for a stranger.)"""
+        return next((j for j in self._joining if j.identity is None), None)
 
     def _read_hello(self, j: _Joining) -> None:
         try:
@@ -247,24 +248,27 @@ class Fanout:
             self._joining.remove(j)
         j.sock.close()
 
-    def _reject(self, j: _Joining, why: str) -> None:
+    def _reject(self, j: _Joining, why: str, verb: str = "refused") -> None:
+        """Close ``j`` and say so: "refused ...: it <why>", or for a
+        connection let go of for want of room, "dropped ...: <why>"."""
         self._drop(j)
-        self._refused(f"a connection from {j.peer[0]} {why}")
+        self._refused(f"{verb} a connection from {j.peer[0]}: "
+                      f"{'it ' if verb == 'refused' else ''}{why}")
 
     def _refused(self, what: str) -> None:
         now = time.monotonic()
         if now - self._refusal_logged >= REFUSAL_LOG_S:
-            more = f" ({self._refusals} more refused since the last such line)" \
+            more = f" ({self._refusals} more refused or dropped since the last such line)" \
                 if self._refusals else ""
-            logger.warning("fastmq: this queue's remote port refused %s%s", what, more)
+            logger.warning("fastmq: this queue's remote port %s%s", what, more)
             self._refusal_logged, self._refusals = now, 0
         else:
             self._refusals += 1
 
     def _log_refusals(self, now: float) -> None:
         if self._refusals and now - self._refusal_logged >= REFUSAL_LOG_S:
-            logger.warning("fastmq: this queue's remote port refused %d more connections",
-                           self._refusals)
+            logger.warning("fastmq: this queue's remote port refused or dropped %d more "
+                           "connections", self._refusals)
             self._refusal_logged, self._refusals = now, 0
 
     def missing(self, n_readers: int) -> str:

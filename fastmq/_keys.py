@@ -41,6 +41,7 @@ import hmac
 import logging
 import os
 import secrets
+import types
 
 logger = logging.getLogger("fastmq")
 
@@ -60,6 +61,8 @@ _logged_trust = False
 
 
 def _crypto():
+    """``cryptography``'s pieces, imported when first needed (``import
+    fastmq`` stays light), as one namespace."""
     try:
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric.x25519 import (X25519PrivateKey,
@@ -69,12 +72,15 @@ def _crypto():
     except ImportError as e:
         raise RuntimeError("fastmq: the remote path's security needs the 'cryptography' "
                            "package (pip install cryptography)") from e
-    return hashes, serialization, X25519PrivateKey, X25519PublicKey, AESGCM, HKDF
+    return types.SimpleNamespace(hashes=hashes, serialization=serialization,
+                                 X25519PrivateKey=X25519PrivateKey,
+                                 X25519PublicKey=X25519PublicKey, AESGCM=AESGCM, HKDF=HKDF)
 
 
 def hkdf(ikm: bytes, salt: bytes | None, info: bytes, length: int = KEY_BYTES) -> bytes:
-    hashes, _, _, _, _, HKDF = _crypto()
-    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(ikm)
+    c = _crypto()
+    return c.HKDF(algorithm=c.hashes.SHA256(), length=length, salt=salt,
+                  info=info).derive(ikm)
 
 
 def deployment_secret() -> bytes | None:
@@ -182,10 +188,10 @@ class Handshake:
             self.public = bytes(PUBLIC_BYTES)
             self._hs_key = None
             return
-        _, serialization, X25519PrivateKey, _, _, _ = _crypto()
-        self._private = X25519PrivateKey.generate()
+        c = _crypto()
+        self._private = c.X25519PrivateKey.generate()
         self.public = self._private.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            c.serialization.Encoding.Raw, c.serialization.PublicFormat.Raw)
         self._hs_key = hkdf(psk, None, b"fastmq handshake")
 
     def prove(self, role: bytes, transcript: bytes) -> bytes:
@@ -199,9 +205,9 @@ class Handshake:
         return hmac.compare_digest(bytes(proof), self.prove(role, transcript))
 
     def _connection_key(self, peer_public: bytes, transcript: bytes) -> bytes:
-        _, _, _, X25519PublicKey, _, _ = _crypto()
         try:
-            shared = self._private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+            shared = self._private.exchange(
+                _crypto().X25519PublicKey.from_public_bytes(peer_public))
         except ValueError:   # a low-order point: no shared secret
             return b""
         self._private = None   # forgotten: forward secrecy
@@ -212,26 +218,24 @@ class Handshake:
         """The writer's READY field: ``message_key`` under this connection's key."""
         if self._hs_key is None:
             return bytes(WRAPPED_BYTES)
-        _, _, _, _, AESGCM, _ = _crypto()
         key = self._connection_key(peer_public, transcript)
         if not key:
             raise ValueError("the reader's public key is not usable")
         # This connection's key seals exactly one message: a fixed nonce.
-        return AESGCM(key).encrypt(bytes(12), message_key, transcript)
+        return _crypto().AESGCM(key).encrypt(bytes(12), message_key, transcript)
 
     def unwrap(self, wrapped, peer_public: bytes, transcript: bytes) -> bytes | None:
         """The reader's side of ``wrap``: the message key, or None if READY
         was not made by a holder of the pre-shared key."""
         if self._hs_key is None:
             return None
-        _, _, _, _, AESGCM, _ = _crypto()
         from cryptography.exceptions import InvalidTag
 
         key = self._connection_key(peer_public, transcript)
         if not key:
             return None
         try:
-            return AESGCM(key).decrypt(bytes(12), bytes(wrapped), transcript)
+            return _crypto().AESGCM(key).decrypt(bytes(12), bytes(wrapped), transcript)
         except InvalidTag:
             return None
 

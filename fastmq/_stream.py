@@ -269,24 +269,19 @@ class Stream:
         except (TimeoutError, RuntimeError) as e:
             if isinstance(e, TimeoutError) or str(e) == "cancelled":
                 raise   # the half-read message stays, to be resumed
+            # A failed check (CorruptChunkError, StreamBroken): for good.
             self._step = None
-            self._fail(e)
+            self._failed = e
             raise
         except StreamEnded as e:
             self._step = None
             self.ended = e
             raise
-        except BaseException as e:
+        except BaseException:     # (PeerGone: the connection closed; not a failed check)
             self._step = None
-            if isinstance(e, (CorruptChunkError, StreamBroken)):
-                self._fail(e)
             raise
         self._step = None
         return frames
-
-    def _fail(self, e: BaseException) -> None:
-        if not isinstance(e, PeerGone):
-            self._failed = e
 
     def _message(self):
         seal = self.seal

@@ -65,7 +65,6 @@ INBOX_BYTES = 256 * 1024
 MAX_FRAMES = (INBOX_BYTES - HEAD.size - _seal.TAG_BYTES) // 8
 MAX_MESSAGE_BYTES = 1 << 42    # a length beyond this is a forgery, not a message
 
-SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
 HUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 # The first bytes a ZMQ peer sends (ZMTP greeting): the mark of a reader

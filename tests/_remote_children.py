@@ -62,10 +62,15 @@ def writer_short_of_descriptors(conn):
     """A remote writer whose process may open only a few more descriptors
     than it holds, so that accepting strangers soon fails (EMFILE); reports
     the CPU time its wait_until_ready() took, then sends one message."""
+    import logging
     import resource
 
     from fastmq import MessageQueue
 
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("fastmq").addHandler(handler)
     mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
     held = len(os.listdir("/proc/self/fd"))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -75,5 +80,5 @@ def writer_short_of_descriptors(conn):
     mq.wait_until_ready()
     cpu = time.process_time() - cpu
     mq.enqueue("admitted")
-    conn.send(cpu)
+    conn.send((cpu, seen))
     time.sleep(0.5)
