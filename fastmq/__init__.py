@@ -9,7 +9,7 @@
     writer.enqueue({"step": 1});  reader.dequeue()
 """
 from fastmq._ring import CorruptChunkError, SegmentMismatchError
-from fastmq._shm import ShmFullError
+from fastmq._segment import ShmFullError
 from fastmq.queue import (LONG_WAIT_TIME_LOG_MSG, BufferHandle, Handle,
                           HandleMismatchError, MessageQueue)
 from fastmq.ring import ShmRingBuffer

@@ -1,5 +1,5 @@
 from libc.stdint cimport uint8_t, uint64_t
-from fastmq._shm cimport Segment
+from fastmq._segment cimport Segment
 
 cdef class ArenaEnd:
     cdef readonly Segment segment

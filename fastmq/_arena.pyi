@@ -1,6 +1,6 @@
 from typing import Any
 
-from fastmq._shm import Segment
+from fastmq._segment import Segment
 
 MAGIC: int
 DESC_MAGIC: int
@@ -74,6 +74,3 @@ class SlotBuffer:
     @property
     def address(self) -> int: ...
     def __buffer__(self, flags: int) -> memoryview: ...
-
-
-def snapshot(buf: Any) -> dict[str, Any]: ...

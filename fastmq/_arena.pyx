@@ -86,8 +86,8 @@ from fastmq._native.atomic cimport (fmq_load_u8_acq, fmq_load_u64_acq, fmq_local
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
                                     header_status, word32 as _u32, word64 as _u64)
 from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
-from fastmq._shm cimport Segment, _os_error
-from fastmq._shm import ShmFullError
+from fastmq._segment cimport Segment, _os_error
+from fastmq._segment import ShmFullError
 from libc.errno cimport errno
 from libc.string cimport strerror
 from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
@@ -135,29 +135,7 @@ DESC_LEN = 48          # bytes of a slot descriptor (C_DESC_LEN)
 PAGE = 4096
 DATA_ALIGN = 2 << 20
 
-cdef enum:
-    H_MAGIC = 0         # u64 (SEG_MAGIC: every segment header begins so)
-    H_VERSION = 8       # u32 (SEG_VERSION)
-    H_NREADER = 12      # u32
-    H_NSLOTS = 16       # u32
-    H_STRIDE = 20       # u32
-    H_SLOT_BYTES = 24   # u64
-    H_FLAGS_OFF = 32    # u64
-    H_DATA_OFF = 40     # u64
-    H_TOTAL = 48        # u64
-    H_TOKEN = 56        # u64 random: ties descriptors to this arena
-    H_READERS = 64      # u32 READERS_ISOLATED / READERS_SHARED
-    HEADER = 4096
-    F_EPOCH = 0         # u64 per-slot publication count
-    F_WRITTEN = 8       # u8
-    F_DONE = 9          # u8 x n_reader
-    D_MAGIC = 0         # descriptor: u64
-    D_TOKEN = 8         # u64
-    D_SLOT = 16         # u32 (+ u32 reserved)
-    D_OFFSET = 24       # u64
-    D_NBYTES = 32       # u64
-    D_EPOCH = 40        # u64
-    C_DESC_LEN = 48
+from fastmq._arena_layout cimport *
 
 fmq_pid_init()
 
@@ -1168,60 +1146,3 @@ cdef class SlotBuffer:
 
     def __repr__(self):
         return "<fastmq SlotBuffer slot=%d nbytes=%d>" % (self.slot, self.nbytes)
-
-
-def snapshot(buf):
-    """The header and slot flags of an arena, read from ``buf`` (a whole
-    mapped arena, typically mapped read-only) without writing to it; for
-    ``fastmq ls``.  Returns a dict: ``n_reader``, ``n_slots``,
-    ``slot_bytes``, ``total``, and per slot ``slots``: ``(epoch, written,
-    [done per reader])``.  Raises ``ArenaError`` when ``buf`` is not a
-    complete arena of this layout version."""
-    cdef Py_buffer v
-    PyObject_GetBuffer(buf, &v, PyBUF_SIMPLE)
-    cdef char *b = <char *>v.buf
-    cdef char *ln
-    cdef Py_ssize_t s, r, n_reader, n_slots, stride, flags_off
-    try:
-        if v.len < HEADER:
-            raise ArenaError("%d bytes are too few for a fastmq arena" % v.len)
-        status = header_status(b, C_MAGIC, LAYOUT_VERSION)
-        if status == HEADER_NO_MAGIC:
-            raise ArenaError("not a fastmq arena (no fastmq header)")
-        if status != HEADER_OK:
-            raise ArenaError("fastmq arena layout version %d, this fastmq reads version %d"
-                             % (_u32(b, H_VERSION)[0], LAYOUT_VERSION))
-        n_reader_word = _u32(b, H_NREADER)[0]
-        n_slots_word = _u32(b, H_NSLOTS)[0]
-        slot_bytes = _u64(b, H_SLOT_BYTES)[0]
-        got = (_u32(b, H_STRIDE)[0], _u64(b, H_FLAGS_OFF)[0], _u64(b, H_DATA_OFF)[0],
-               _u64(b, H_TOTAL)[0])
-        # Range-checked before use as counts: a forged or corrupt file reads
-        # as bad instead of overflowing (an arena's slots lie in its file).
-        if not (1 <= n_reader_word <= 4096 and 1 <= n_slots_word <= 65536
-                and int(slot_bytes) * int(n_slots_word) <= int(v.len)):
-            raise ArenaError("fastmq arena header has a bad geometry: %d readers, %d slots "
-                             "of %d bytes (a %d-byte file)"
-                             % (n_reader_word, n_slots_word, slot_bytes, v.len))
-        n_reader = n_reader_word
-        n_slots = n_slots_word
-        try:
-            want = layout(n_reader, n_slots, slot_bytes)
-        except ValueError as e:
-            raise ArenaError("fastmq arena header has a bad geometry: %s" % e)
-        if got != want or v.len < want[3]:
-            raise ArenaError("fastmq arena header %r does not match its geometry %r "
-                             "(%d bytes mapped)" % (got, want, v.len))
-        stride = want[0]
-        flags_off = want[1]
-        slots = []
-        for s in range(n_slots):
-            ln = b + flags_off + s * stride
-            slots.append((fmq_load_u64_acq(_u64(ln, F_EPOCH)),
-                          fmq_load_u8_acq(<uint8_t *>(ln + F_WRITTEN)),
-                          [fmq_load_u8_acq(<uint8_t *>(ln + F_DONE + r))
-                           for r in range(n_reader)]))
-        return {"n_reader": n_reader, "n_slots": n_slots, "slot_bytes": slot_bytes,
-                "total": want[3], "slots": slots}
-    finally:
-        PyBuffer_Release(&v)

@@ -85,7 +85,7 @@ def spin_us(value: float | None) -> float:
 
 
 # Memory a remote reader keeps to receive the next large frames into,
-# once the caller dropped the earlier ones (fastmq._pool).  Enough for a
+# once the caller dropped the earlier ones (fastmq._recv_buffers).  Enough for a
 # step's large tensors; what a burst needed beyond it goes back.
 DEFAULT_REMOTE_BUFFERS_MB = 512
 

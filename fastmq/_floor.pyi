@@ -1,6 +1,6 @@
 from typing import Any
 
-from fastmq._shm import Segment
+from fastmq._segment import Segment
 
 def segment_size(n_readers: int, max_payload: int) -> int: ...
 def pingpong_writer(seg: Segment, n_readers: int, src: Any, first_seq: int, out: Any,

@@ -44,7 +44,7 @@ cdef extern from "<time.h>" nogil:
         long tv_nsec
     int clock_nanosleep(int clock_id, int flags, const timespec *request, timespec *remain)
     int CLOCK_MONOTONIC
-from fastmq._shm cimport Segment
+from fastmq._segment cimport Segment
 
 cdef enum:
     LINE = 64

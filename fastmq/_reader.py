@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastmq import (_config, _handshake, _keys, _net, _proc, _seal, _sockets, _stream, _wire,
+from fastmq import (_config, _keys, _net, _overflow, _proc, _seal, _stream, _subscribers, _wire,
                     cleanup)
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
                           WRITER_DIED, CorruptChunkError)
@@ -47,7 +47,7 @@ class _ReaderEnd:
         if frames != [b"READY"]:
             raise RuntimeError(
                 f"fastmq: this reader connected after the writer's handshake: it "
-                f"received {_sockets.describe_handshake_frames(frames)} of a running "
+                f"received {_overflow.describe_handshake_frames(frames)} of a running "
                 "queue instead of READY. A reader cannot join (or, after a disconnect, "
                 "rejoin) a queue once the writer's wait_until_ready() has returned; "
                 "create a new queue.")
@@ -62,7 +62,7 @@ class _ReaderEnd:
         while True:
             if self.shutting_down:
                 raise RuntimeError("cancelled")
-            wait_ms = _sockets.RECV_SLICE_MS
+            wait_ms = _overflow.RECV_SLICE_MS
             if until is not None:
                 left = int((until - time.monotonic()) * 1000)
                 if left <= 0 and not sock.poll(0):
@@ -130,11 +130,11 @@ class LocalReader(_ReaderEnd):
                     f"fastmq: local reader rank {rank} of this queue is already "
                     f"attached by process {holder}, which is alive; each rank is "
                     "attached by one process")
-            me = _handshake.identity(self.local_reader_rank)   # its ring slot
+            me = _subscribers.identity(self.local_reader_rank)   # its ring slot
             self.local_socket = sock = context.socket(zmq.SUB)
             sockets.append(sock)
-            _sockets.tune_subscriber(sock)
-            _handshake.subscribe(sock, me)
+            _overflow.tune_subscriber(sock)
+            _subscribers.subscribe(sock, me)
             self._watch_connection(sock, sockets)
             sock.connect(handle.local_subscribe_addr)
             if ring.wait_mode == WAIT_ZMQ:
@@ -164,7 +164,7 @@ class LocalReader(_ReaderEnd):
             # message that uses it raises, with the reason (as in vLLM).
             self.tensor_arena = arena.attach_for_queue(handle, self.local_reader_rank)
         except BaseException:
-            _sockets.close_all(context, sockets, [])
+            _overflow.close_all(context, sockets, [])
             if self.buffer is not None:
                 self.buffer.close()
             raise
@@ -265,7 +265,7 @@ class LocalReader(_ReaderEnd):
                 # Its payload left the writer before the mark was published:
                 # it is here or nearly, so it gets its own (full) timeout
                 # rather than a clock read on every dequeue().
-                return self._recv_overflow(_sockets.deadline(timeout))
+                return self._recv_overflow(_overflow.deadline(timeout))
             # A wait status: act on it; then the chunk is ready and the
             # read does not wait again.
             self._keep_waiting(status, indefinite)
@@ -293,7 +293,7 @@ class LocalReader(_ReaderEnd):
                 (msg_id, payload), self._overflow_ahead = self._overflow_ahead, None
             else:
                 frames = self._recv_message(self.local_socket, until, payload_due=True)
-                got = _sockets.split_message(frames, "local reader")
+                got = _overflow.split_message(frames, "local reader")
                 if got is None:
                     continue   # a payload whose sending was interrupted
                 msg_id, payload = got
@@ -368,7 +368,7 @@ class RemoteReader:
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
         stream = self.stream
         try:
-            main, *oob = stream.recv(_sockets.deadline(timeout), self)
+            main, *oob = stream.recv(_overflow.deadline(timeout), self)
         except _stream.StreamEnded as e:
             raise RuntimeError(f"fastmq: {self._writer()} shut the queue down after message "
                                f"{e.last_seq}; every message it sent was received") from None

@@ -1,5 +1,5 @@
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
-from fastmq._shm cimport Segment
+from fastmq._segment cimport Segment
 from fastmq._sink cimport PickleSink
 
 cdef class RingEnd:

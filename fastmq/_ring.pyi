@@ -1,6 +1,6 @@
 from typing import Any
 
-from fastmq._shm import Segment
+from fastmq._segment import Segment
 from fastmq._sink import PickleSink
 
 MAGIC: int
@@ -102,7 +102,3 @@ class RingEnd:
     def close(self) -> None: ...
 
 def decode_frames(stream: Any, oob: list[Any] | None = ..., arena: Any = ...) -> Any: ...
-
-CREATOR_BYTES: int
-def ring_creator(buf: Any, with_pidns: bool = ...) -> tuple[int, ...] | None: ...
-def snapshot(buf: Any) -> dict[str, Any]: ...

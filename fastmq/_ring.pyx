@@ -74,8 +74,8 @@ from fastmq._native.atomic cimport (
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, align_up as _align,
                                     header_status, word32 as _u32, word64 as _u64)
 from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
-from fastmq._shm cimport Segment
-from fastmq._shm import ShmFullError
+from fastmq._segment cimport Segment
+from fastmq._segment import ShmFullError
 from fastmq._sink cimport PickleSink
 from pickle import loads as _loads
 
@@ -87,7 +87,11 @@ LAYOUT_VERSION = 2
 
 fmq_pid_init()
 
-cdef uint64_t CLAIM_LEFT = 1ULL << 63
+# Header offsets: fastmq/_ring_layout.pxd.
+from fastmq._ring_layout cimport *
+
+cdef uint64_t CLAIM_LEFT = 1ULL << CLAIM_LEFT_BIT
+
 
 # What reader_state() says of a rank's slot.
 SLOT_FREE = 0      # never claimed
@@ -104,8 +108,6 @@ cdef inline bint _claim_alive(uint64_t word) except -1:
     return _process_alive(<uint32_t>(word & CLAIM_PID_MASK),
                           (word >> 32) & CLAIM_TAG_MASK, START_TAG_MASK)
 
-# Header offsets: fastmq/_ring_layout.pxd.
-from fastmq._ring_layout cimport *
 
 cdef enum:
     FRAME_HEAD = 8
@@ -1149,131 +1151,3 @@ cdef object _decode(object stream, list oob, object arena):
             oob = arena.map_oob(oob)
         return _loads(stream, buffers=oob)
     return _loads(stream)
-
-
-# -- read-only inspection (fastmq ls, fastmq cleanup) ------------------------
-# These functions read a ring through any buffer (a read-only mapping, or the
-# first bytes of the file) and never write to it: looking at a live queue
-# must not disturb it.
-
-# Bytes from the start of a ring that hold its magic, version and creator.
-CREATOR_BYTES = H_WRITER_PIDNS + 8
-
-
-cdef inline uint32_t _ro_u32(const char *b, Py_ssize_t off) noexcept nogil:
-    return fmq_load_u32_acq(<const uint32_t *>(b + off))
-
-
-cdef inline uint64_t _ro_u64(const char *b, Py_ssize_t off) noexcept nogil:
-    return fmq_load_u64_acq(<const uint64_t *>(b + off))
-
-
-def ring_creator(buf, bint with_pidns=False):
-    """``(pid, start time)`` of the process that created the ring whose
-    first ``CREATOR_BYTES`` (or more) bytes are ``buf`` (``with_pidns``:
-    ``(pid, start time, pid namespace inode)``); None when they are not
-    the header of a ring of this layout version."""
-    cdef Py_buffer v
-    PyObject_GetBuffer(buf, &v, PyBUF_SIMPLE)
-    cdef const char *b = <const char *>v.buf
-    try:
-        if v.len < CREATOR_BYTES:
-            return None
-        if _ro_u64(b, H_MAGIC) != MAGIC or _ro_u32(b, H_VERSION) != LAYOUT_VERSION:
-            return None
-        if with_pidns:
-            return (_ro_u32(b, H_WRITER_PID), _ro_u64(b, H_WRITER_START),
-                    _ro_u64(b, H_WRITER_PIDNS))
-        return _ro_u32(b, H_WRITER_PID), _ro_u64(b, H_WRITER_START)
-    finally:
-        PyBuffer_Release(&v)
-
-
-def snapshot(buf):
-    """Everything the header and flags of a ring say, read from ``buf`` (a
-    whole mapped ring, typically mapped read-only) without writing to it.
-
-    Returns a dict: the geometry (``n_reader``, ``max_chunk_bytes``,
-    ``max_chunks``, ``total``), ``wait_mode``, ``spin_ns``, ``writer_pid``,
-    ``writer_start``, ``writer_closed``, ``readers_parked`` (how many readers
-    sleep on the futex word or the notify socket now), ``writer_parked``,
-    ``readers`` (``(pid, start)`` per rank; pid 0: not attached yet),
-    ``written`` (the written flag per chunk) and ``read`` (per rank, the
-    read flag per chunk).  The flags are loaded one by one while the queue
-    runs, so they are a moment's view, not an atomic one.  Raises
-    ``SegmentMismatchError`` when ``buf`` is not a complete ring.
-    """
-    cdef Py_buffer v
-    PyObject_GetBuffer(buf, &v, PyBUF_SIMPLE)
-    cdef const char *b = <const char *>v.buf
-    cdef const uint8_t *m
-    cdef Py_ssize_t i, r, n_reader, n_chunks, stride, meta_off
-    try:
-        if v.len < H_READER_SLOTS + READER_SLOT:
-            raise SegmentMismatchError("%d bytes are too few for a fastmq ring" % v.len)
-        if _ro_u64(b, H_MAGIC) != MAGIC:
-            raise SegmentMismatchError("not a fastmq ring (no fastmq header)")
-        if _ro_u32(b, H_VERSION) != LAYOUT_VERSION:
-            raise SegmentMismatchError("fastmq ring layout version %d, this fastmq reads "
-                                       "version %d" % (_ro_u32(b, H_VERSION), LAYOUT_VERSION))
-        n_reader_word = _ro_u32(b, H_NREADER)
-        n_chunks_word = _ro_u32(b, H_NCHUNKS)
-        chunk_bytes = _ro_u64(b, H_CHUNK_BYTES)
-        got = (_ro_u32(b, H_META_STRIDE), _ro_u64(b, H_META_OFF), _ro_u64(b, H_DATA_OFF),
-               _ro_u64(b, H_TOTAL))
-        # Every geometry word is range-checked before it is used as a
-        # count or a size: a corrupt or forged file must read as bad, not
-        # overflow.  A real ring is no larger than its file, which is no
-        # larger than the mapping checked below.
-        if not (1 <= n_reader_word <= 4096 and 1 <= n_chunks_word
-                and 64 <= chunk_bytes
-                and int(chunk_bytes) * int(n_chunks_word) <= int(v.len)):
-            raise SegmentMismatchError(
-                "fastmq ring header has a bad geometry: %d readers, %d chunks of %d bytes "
-                "(a %d-byte file)" % (n_reader_word, n_chunks_word, chunk_bytes, v.len))
-        n_reader = n_reader_word
-        n_chunks = n_chunks_word
-        want = layout(n_reader, chunk_bytes, n_chunks)
-        if got != want or v.len < want[3]:
-            raise SegmentMismatchError(
-                "fastmq ring header %r does not match its geometry %r (%d bytes mapped)"
-                % (got, want, v.len))
-        stride = want[0]
-        meta_off = want[1]
-        readers = []
-        reads = []
-        left = []
-        for r in range(n_reader):
-            word = _ro_u64(b, H_READER_SLOTS + READER_SLOT * r)
-            readers.append((word & CLAIM_PID_MASK,
-                            _ro_u64(b, H_READER_SLOTS + READER_SLOT * r + SLOT_START)))
-            left.append(bool(word & CLAIM_LEFT))
-            reads.append(_ro_u64(b, H_READER_SLOTS + READER_SLOT * r + SLOT_READ))
-        written = []
-        read = [[] for r in range(n_reader)]
-        for i in range(n_chunks):
-            m = <const uint8_t *>(b + meta_off + i * stride)
-            written.append(fmq_load_u8_acq(m))
-            for r in range(n_reader):
-                read[r].append(fmq_load_u8_acq(m + 1 + r))
-        return {
-            "n_reader": n_reader,
-            "max_chunk_bytes": chunk_bytes,
-            "max_chunks": n_chunks,
-            "total": want[3],
-            "wait_mode": _ro_u32(b, H_WAIT_MODE),
-            "spin_ns": _ro_u64(b, H_SPIN_NS),
-            "writer_pid": _ro_u32(b, H_WRITER_PID),
-            "writer_start": _ro_u64(b, H_WRITER_START),
-            "writer_closed": _ro_u32(b, H_WRITER_STATE) == 2,
-            "readers_parked": _ro_u32(b, H_READERS_PARKED),
-            "writer_parked": _ro_u32(b, H_WRITER_PARKED),
-            "readers": readers,
-            "left": left,
-            "published": _ro_u64(b, H_PUBLISHED),
-            "reads": reads,
-            "written": written,
-            "read": read,
-        }
-    finally:
-        PyBuffer_Release(&v)

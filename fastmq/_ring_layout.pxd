@@ -40,5 +40,6 @@ cdef enum:
 #
 # The full start time at +8 is written after the claim, for `fastmq ls`.
 cdef enum:
+    CLAIM_LEFT_BIT = 63
     CLAIM_PID_MASK = 0xFFFFFFFF
     CLAIM_TAG_MASK = 0x7FFFFFFF

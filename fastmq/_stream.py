@@ -21,7 +21,7 @@ import threading
 import time
 
 from fastmq import _keys, _seal, _wire
-from fastmq._pool import BufferPool
+from fastmq._recv_buffers import BufferPool
 from fastmq._ring import CorruptChunkError
 from fastmq._wire import (CHALLENGE, END, HEAD, HELLO, MAGIC, PREAMBLE, READY, SEGMENT_BYTES,
                           SEGMENTED, WHOLE, WHOLE_BYTES, PeerGone, WriterSpeaksZMTP)
@@ -67,7 +67,7 @@ class Stream:
         self._lo = self._hi = 0
         self._step = None    # the message being received (a generator)
         # Large frames' memory, reused once the caller dropped it (see
-        # fastmq._pool: fresh pages cost as much as receiving into them).
+        # fastmq._recv_buffers: fresh pages cost as much as receiving into them).
         self.buffers = BufferPool(keep_bytes)
         self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
         self._received = 0   # bytes received so far (how _drive sees progress)

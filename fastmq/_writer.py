@@ -3,7 +3,7 @@ to the ring (node-local readers), to the local XPUB socket when it does not
 fit a chunk (with a mark in the ring), and to the remote XPUB socket.
 
 Nothing lost: when ``enqueue()`` returns, the message is in shared memory
-or has left this process (see ``fastmq._sockets.FLUSH_FILL``); everything
+or has left this process (see ``fastmq._overflow.FLUSH_FILL``); everything
 that can fail or time out happens before that point.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import zmq
 
-from fastmq import (_config, _fanout, _handshake, _keys, _net, _seal, _sockets, _wire, cleanup,
+from fastmq import (_config, _fanout, _keys, _net, _overflow, _seal, _subscribers, _wire, cleanup,
                     segments)
 from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD,
                           SLOT_FREE, SLOT_LEFT, WAIT_ZMQ)
@@ -107,9 +107,9 @@ class QueueWriter:
                 self.local_socket = context.socket(zmq.XPUB)
                 sockets.append(self.local_socket)
                 # Every (un)subscription, so that the handshake counts the
-                # readers present (fastmq._handshake), not events.
+                # readers present (fastmq._subscribers), not events.
                 self.local_socket.setsockopt(zmq.XPUB_VERBOSER, True)
-                _sockets.tune_publisher(self.local_socket)
+                _overflow.tune_publisher(self.local_socket)
                 local_subscribe_addr, path = _net.bind_ipc(self.local_socket)
                 paths.append(path)
                 segments.remove_at_exit([path])
@@ -149,7 +149,7 @@ class QueueWriter:
                 sockets.append(self.fanout)
                 remote_subscribe_addr = self.fanout.address
         except BaseException:
-            _sockets.close_all(context, sockets, paths)
+            _overflow.close_all(context, sockets, paths)
             if self.buffer is not None:
                 self.buffer.close()
             raise
@@ -181,7 +181,7 @@ class QueueWriter:
         """Wait until every reader is subscribed, then send READY on each
         channel so that no later message can be missed.
 
-        Readers are counted by identity (``fastmq._handshake``): a local
+        Readers are counted by identity (``fastmq._subscribers``): a local
         rank is ready when the live process that holds its ring slot has
         subscribed; ``n_remote_reader`` remote identities must be present.
         Waits in slices: ``shutdown()`` raises ``RuntimeError("cancelled")``,
@@ -204,9 +204,9 @@ class QueueWriter:
             raise
 
     def _wait_for_readers(self) -> None:
-        local = [(self.local_socket, _handshake.Subscribers())] if self.n_local_reader else []
+        local = [(self.local_socket, _subscribers.Subscribers())] if self.n_local_reader else []
         if self.notify_socket is not None:
-            local.append((self.notify_socket, _handshake.Subscribers()))
+            local.append((self.notify_socket, _subscribers.Subscribers()))
         remote = self.fanout if self.n_remote_reader else None
         remote_done = remote is None
         local_done = not local
@@ -221,7 +221,7 @@ class QueueWriter:
                     subs.drain(sock)
                 if self._local_readers_ready(local):
                     self.local_socket.send(b"READY")
-                    flushes.append(_sockets.send_flush(self.local_socket))
+                    flushes.append(_overflow.send_flush(self.local_socket))
                     local_done = True
             if not remote_done:
                 # READY is in the kernel once this says done: it has left
@@ -232,7 +232,7 @@ class QueueWriter:
                 # first enqueue() can, so a writer killed right after one
                 # still leaves readers that finished the handshake.
                 for tracker in flushes:
-                    _sockets.wait_flushed(tracker, None, "the readers' sockets", self)
+                    _overflow.wait_flushed(tracker, None, "the readers' sockets", self)
                 return
             if time.monotonic() >= next_log:
                 next_log += _config.warning_interval()
@@ -244,7 +244,7 @@ class QueueWriter:
                 poller.register(sock, zmq.POLLIN)
             for sock in remote.fds() if remote is not None else ():
                 poller.register(sock, zmq.POLLIN)
-            poller.poll(_sockets.RECV_SLICE_MS)
+            poller.poll(_overflow.RECV_SLICE_MS)
 
     def _local_readers_ready(self, local) -> bool:
         """Whether every local rank's slot is held by a live process that
@@ -404,7 +404,7 @@ class QueueWriter:
                     try:
                         buffers = self.encoder.encode(obj)
                         self._send_with_remote(buffers, seq, timeout,
-                                               _sockets.deadline(timeout))
+                                               _overflow.deadline(timeout))
                     except BaseException:
                         self._settle_arena(published)
                         raise
@@ -441,7 +441,7 @@ class QueueWriter:
             if framed == 0:
                 # Too big for a chunk (send waited for nothing): one
                 # deadline covers the wait for a chunk and the flush.
-                until = _sockets.deadline(timeout)
+                until = _overflow.deadline(timeout)
                 self._wait_turn(timeout)
                 self._send_overflow(encoder.sink.frames(), until)
                 if self._commit_arena is not None:
@@ -482,9 +482,9 @@ class QueueWriter:
         gets the payload, and a send abandoned before (timeout, shutdown,
         dead reader) is skipped by readers by its id."""
         self._overflow_id += 1
-        _sockets.send_message(self.local_socket, self._overflow_id, buffers)
-        tracker = _sockets.send_flush(self.local_socket)
-        _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
+        _overflow.send_message(self.local_socket, self._overflow_id, buffers)
+        tracker = _overflow.send_flush(self.local_socket)
+        _overflow.wait_flushed(tracker, until, "a local reader's socket", self)
         self.ring.send_overflow_mark(self._overflow_id)
         stats = self.stats_
         stats.overflow_messages += 1
@@ -518,9 +518,9 @@ class QueueWriter:
                 ring.reserve_next(framed)
             if overflow:
                 self._overflow_id += 1
-                _sockets.send_message(self.local_socket, self._overflow_id, buffers)
-                tracker = _sockets.send_flush(self.local_socket)
-                _sockets.wait_flushed(tracker, until, "a local reader's socket", self)
+                _overflow.send_message(self.local_socket, self._overflow_id, buffers)
+                tracker = _overflow.send_flush(self.local_socket)
+                _overflow.wait_flushed(tracker, until, "a local reader's socket", self)
             message = fanout.begin(buffers)
             fanout.push(until, self, until_commit=True)
             # Committed: the remote readers are getting the message.  The

@@ -39,8 +39,8 @@ import tempfile
 
 from fastmq import _proc
 from fastmq._net import IPC_PREFIX
-from fastmq._ring import CREATOR_BYTES
-from fastmq._ring import ring_creator as _header_creator
+from fastmq._snapshot import CREATOR_BYTES
+from fastmq._snapshot import ring_creator as _header_creator
 from fastmq.segments import SEGMENT_PREFIX, SHM_PATH
 
 logger = logging.getLogger("fastmq")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from fastmq._shm import Segment
+from fastmq._segment import Segment
 from fastmq.segments import new_segment_name
 
 

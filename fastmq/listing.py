@@ -2,10 +2,9 @@
 
 The user's side: docs/operations.md, "Inspecting".
 
-Everything comes from the shared-memory headers (``fastmq._ring.snapshot``,
-``fastmq._arena.snapshot``) and from ``/proc``.  Segments are opened
-``O_RDONLY`` and mapped ``PROT_READ``: looking at a live queue never writes
-to it, so it cannot disturb the queue.
+Everything comes from the shared-memory headers (``fastmq._snapshot``) and
+from ``/proc``.  Segments are opened ``O_RDONLY`` and mapped ``PROT_READ``:
+looking at a live queue never writes to it, so it cannot disturb the queue.
 
 Where each reader is comes from two counters in the ring header: the
 messages the writer has published and, in each reader slot, the messages
@@ -26,7 +25,7 @@ import shutil
 import stat
 import time
 
-from fastmq import _arena, _proc, _ring
+from fastmq import _arena, _proc, _ring, _snapshot
 from fastmq.segments import SEGMENT_PREFIX, SHM_PATH
 
 _SEGMENT = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+$")
@@ -201,7 +200,7 @@ def list_queues(shm_path: str = SHM_PATH) -> dict:
             continue
         pid, kind = int(m[1]), m[2]
         path = os.path.join(shm_path, name)
-        reader = {"ring": _ring.snapshot, "arena": _arena.snapshot}.get(kind)
+        reader = {"ring": _snapshot.ring_snapshot, "arena": _snapshot.arena_snapshot}.get(kind)
         try:
             if reader is None:
                 st = os.lstat(path)

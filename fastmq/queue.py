@@ -17,7 +17,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from fastmq import _config, _sockets
+from fastmq import _config, _overflow
 from fastmq._config import LONG_WAIT_TIME_LOG_MSG
 from fastmq._reader import LocalReader, RemoteReader
 from fastmq._ring import CorruptChunkError, SegmentMismatchError
@@ -109,7 +109,7 @@ class MessageQueue:
         # ring position and sockets are the parent's, so any use would lose
         # or duplicate messages.
         self._forked_from = None
-        self._finalizer = weakref.finalize(self, _sockets.close_all, *end.zmq)
+        self._finalizer = weakref.finalize(self, _overflow.close_all, *end.zmq)
         self._finalizer.atexit = False
         _live_queues.add(self)
         if on_queue_created is not None:

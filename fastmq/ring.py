@@ -11,7 +11,7 @@ from typing import Iterator
 
 from fastmq import _config, _proc
 from fastmq._ring import RingEnd, layout
-from fastmq._shm import Segment
+from fastmq._segment import Segment
 from fastmq.segments import create_segment, forget_segment
 
 

@@ -14,7 +14,7 @@ import os
 import secrets
 import shutil
 
-from fastmq._shm import Segment
+from fastmq._segment import Segment
 
 SHM_PATH = "/dev/shm"
 SEGMENT_PREFIX = "fastmq_"

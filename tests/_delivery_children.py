@@ -97,13 +97,13 @@ def mark_without_payload_then_die(conn) -> None:
     case the reader's grace exists for), and whose connection stays open
     after it died: a process forked from it holds the descriptors, as any
     child the writer forked would.  Sends the holder's pid, then exits."""
-    from fastmq import MessageQueue, _sockets
+    from fastmq import MessageQueue, _overflow
 
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4,
                       enable_shm_tensor_arena=False)
     conn.send(mq.export_handle())
     mq.wait_until_ready()
-    _sockets.send_message = lambda *a, **kw: None
+    _overflow.send_message = lambda *a, **kw: None
     holder = os.fork()
     if holder == 0:
         time.sleep(60)

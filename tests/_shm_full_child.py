@@ -6,7 +6,7 @@ import sys
 import threading
 
 from fastmq import MessageQueue
-from fastmq._shm import ShmFullError
+from fastmq._segment import ShmFullError
 
 MiB = 1 << 20
 

@@ -16,7 +16,7 @@ import pytest
 import fastmq
 from fastmq import MessageQueue, _proc
 from fastmq._ring import RingEnd
-from fastmq._shm import Segment
+from fastmq._segment import Segment
 
 import _fault_children as children
 

@@ -233,7 +233,7 @@ def test_fuzz_arena_descriptors_and_flags():
     raises ``ArenaError`` or maps a range inside the arena's slots, never
     anything else; and a real buffer still round-trips afterwards."""
     from fastmq._arena import DESC_LEN, DESC_MAGIC, layout
-    from fastmq._shm import Segment
+    from fastmq._segment import Segment
     from fastmq.arena import ArenaError, ShmTensorArena
 
     slot_bytes, n_slots = 1 << 16, 4

@@ -10,7 +10,7 @@ import pytest
 from fastmq import MessageQueue
 from fastmq._arena import ArenaEnd, ArenaError
 from fastmq._ring import RingEnd, SegmentMismatchError
-from fastmq._shm import Segment
+from fastmq._segment import Segment
 
 VERSION_OFFSET = 8   # every fastmq segment header: u64 magic, then u32 version
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastmq import MessageQueue
-from fastmq._pool import BufferPool
+from fastmq._recv_buffers import BufferPool
 
 from _queues import local_pair
 

@@ -74,7 +74,7 @@ def _serve_rounds(name: str, conn, run) -> None:
     """A floor reader process: attach segment ``name``, then ``run(seg, cmd)``
     for each command the parent sends, until it sends None."""
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from fastmq._shm import Segment
+    from fastmq._segment import Segment
 
     seg = Segment.attach(name)
     try:

@@ -596,7 +596,7 @@ class _FloorWriter:
 
 class _FloorReader:
     def __init__(self, spec, rank: int):
-        from fastmq._shm import Segment
+        from fastmq._segment import Segment
 
         q_spec, name = spec
         self._seg = Segment.attach(name)
