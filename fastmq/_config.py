@@ -109,3 +109,12 @@ LONG_WAIT_TIME_LOG_MSG = (
     "time-consuming work (e.g. compilation, "
     "weight/kv cache quantization)."
 )
+
+
+def ring_geometry(max_chunk_bytes: int, max_chunks: int) -> tuple[int, int]:
+    """A new ring's chunk size and count: ``FASTMQ_MAX_CHUNK_MB`` and
+    ``FASTMQ_MAX_CHUNKS`` override the arguments."""
+    mb = env_int("FASTMQ_MAX_CHUNK_MB", None, minimum=1)
+    n = env_int("FASTMQ_MAX_CHUNKS", None, minimum=1)
+    return (mb << 20 if mb is not None else max_chunk_bytes,
+            n if n is not None else max_chunks)

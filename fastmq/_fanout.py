@@ -100,6 +100,7 @@ class Fanout:
             raise
         port = self.listener.getsockname()[1]
         self.address = f"tcp://{connect_ip}:{port}"
+        self.ipv6 = ipv6
         self._joining: list[_Joining] = []
         self.readers: list[_Reader] = []
         self.broken: str | None = None   # why the readers can no longer be served
@@ -114,7 +115,12 @@ class Fanout:
         self._refusals = 0          # refusals not logged yet
         self._refusal_logged = -REFUSAL_LOG_S
         self._ended = False
-        self._closing = False
+        # Set by the queue's shutdown(): waits for a message not yet
+        # committed raise "cancelled" (see push).
+        self.cancelled = threading.Event()
+        # Set by close(): the drain thread stops sending the rest of a
+        # committed message.
+        self._closing = threading.Event()
         self._poll = None
 
     # -- handshake ------------------------------------------------------------------
@@ -316,22 +322,23 @@ class Fanout:
             "node is unreachable; messages sent since would not reach it, and a remote "
             "reader cannot rejoin a running queue")
 
-    @property
-    def shutting_down(self) -> bool:
-        """For the drain thread's waits (see ``_wire.wait``): the queue closed."""
-        return self._closing
+    def cancel(self) -> None:
+        """The queue is shutting down: a wait for a message that is not
+        committed yet raises ``RuntimeError("cancelled")``; a committed one
+        is still sent."""
+        self.cancelled.set()
 
     def _owed(self) -> bool:
         return self._message is not None or \
             any(r.out.owed for r in self.readers if r.error is None)
 
-    def wait_drained(self, until: float | None, end) -> None:
-        """Wait (as ``_wire.wait`` does: deadline, shutdown) until the rest
-        of an earlier message is out: what the drain thread sends, or what
-        an exception left unsent."""
+    def wait_drained(self, until: float | None) -> None:
+        """Wait (as ``_wire.wait`` does: deadline, ``cancel()``) until the
+        rest of an earlier message is out: what the drain thread sends, or
+        what an exception left unsent."""
         t = self._drainer
         while t is not None and t.is_alive():
-            if end.shutting_down:
+            if self.cancelled.is_set():
                 raise RuntimeError("cancelled")
             slice_s = _wire.SLICE_S
             if until is not None:
@@ -342,7 +349,7 @@ class Fanout:
             t.join(slice_s)
         self._drainer = None
         if self._owed():
-            self.push(until, end, committing=False)
+            self._push(until, self.cancelled, committing=False)
 
     # A message goes out as batches of sealed parts (Outgoing.batch), each
     # computed once, when the fastest reader needs it; each reader's outbox
@@ -399,20 +406,24 @@ class Fanout:
         for r in self.readers:
             r.out.clear()
 
-    def push(self, until: float | None, end=None, committing: bool = True,
+    def push(self, until: float | None, cancellable: bool = False,
              until_commit: bool = False) -> bool:
         """Write the message to every reader; True once all of it is in the
         kernel (or, ``until_commit``, once its first byte is).
 
         Before the first byte of the message is written (``written_any``),
-        ``until`` raises ``TimeoutError`` and ``end.shutting_down`` raises
-        ``RuntimeError("cancelled")``: nothing was sent.  After it, the
-        message is committed: shutdown no longer stops it, and ``until``
-        returns False (the caller then has what is left copied and sent in
-        the background, ``keep_rest``).  A reader whose
-        connection breaks is dropped (``broken`` says which).
-        ``committing=False``: only the rest of an earlier message is left;
-        the deadline and ``end`` apply throughout."""
+        ``until`` raises ``TimeoutError`` and, if ``cancellable``,
+        ``cancel()`` raises ``RuntimeError("cancelled")``: nothing was sent.
+        After it, the message is committed: ``cancel()`` no longer stops
+        it, and ``until`` returns False (the caller then has what is left
+        copied and sent in the background, ``keep_rest``).  A reader whose
+        connection breaks is dropped (``broken`` says which)."""
+        return self._push(until, self.cancelled if cancellable else None, True, until_commit)
+
+    def _push(self, until: float | None, stop, committing: bool,
+              until_commit: bool = False) -> bool:
+        """``push``; ``committing=False``: only the rest of an earlier
+        message is left, and ``until`` and ``stop`` apply throughout."""
         active = [r for r in self.readers if r.error is None]
         while active:
             waiting = []
@@ -436,7 +447,7 @@ class Fanout:
             committed = committing and self.written_any
             try:
                 _wire.wait([(r.fd, select.POLLOUT) for r in active], until,
-                           None if committed else end)
+                           None if committed else stop)
             except TimeoutError:
                 if committed:
                     return False
@@ -469,7 +480,7 @@ class Fanout:
 
     def _drain(self) -> None:
         try:
-            self.push(None, self, committing=False)
+            self._push(None, self._closing, committing=False)
         except RuntimeError:   # closed first (see close)
             pass
         except BaseException as e:
@@ -511,7 +522,7 @@ class Fanout:
         t = self._drainer
         if t is not None and t.is_alive():
             t.join(self.CLOSE_GRACE_S)
-            self._closing = True
+            self._closing.set()
             t.join(1.0)
         if (t is not None and t.is_alive()) or self._owed():
             logger.warning("fastmq: a remote queue was closed while a slow reader had "
@@ -519,7 +530,7 @@ class Fanout:
                            "at its deadline; that reader misses it")
         elif self.listener is None and not sys.is_finalizing():
             self.end_stream(0.5)
-        self._closing = True
+        self._closing.set()
         for s in ([self.listener] if self.listener is not None else []) + \
                 [j.sock for j in self._joining] + [r.sock for r in self.readers]:
             try:

@@ -160,35 +160,25 @@ def deadline(timeout: float | None) -> float | None:
     return time.monotonic() + max(timeout, 0.0)
 
 
-def wait_flushed(tracker, until: float | None, where: str, end) -> None:
-    """Wait until the message of ``tracker`` has left this process.
-
-    ``end`` (a queue end) is asked between slices: ``end.shutting_down``
-    raises ``RuntimeError("cancelled")``, and ``end.check_readers_alive()``
-    raises if a reader died (it could never take the message).  ``end``
-    None: the message is committed (some reader may have it already), so
-    nothing but ``until`` ends the wait."""
+def flush_slice(tracker, until: float | None, where: str) -> bool:
+    """Wait one slice for the message of ``tracker`` to leave this process:
+    True once it has; raises ``TimeoutError`` once ``until`` has passed
+    (``where`` names the socket in its message).  The caller owns the loop
+    and what it checks between slices (shutdown, the readers' liveness)."""
     if tracker.done:
-        return
-    next_check = time.monotonic() + 0.2
-    while True:
-        if end is not None and end.shutting_down:
-            raise RuntimeError("cancelled")
-        wait = FLUSH_SLICE_S
-        if until is not None:
-            left = until - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"fastmq: a reader did not take the message from "
-                                   f"{where} in time")
-            wait = min(wait, left)
-        try:
-            tracker.wait(wait)
-            return
-        except zmq.NotDone:
-            pass
-        if end is not None and time.monotonic() >= next_check:
-            next_check = time.monotonic() + 0.2
-            end.check_readers_alive()
+        return True
+    wait = FLUSH_SLICE_S
+    if until is not None:
+        left = until - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"fastmq: a reader did not take the message from "
+                               f"{where} in time")
+        wait = min(wait, left)
+    try:
+        tracker.wait(wait)
+        return True
+    except zmq.NotDone:
+        return False
 
 
 def close_all(context, sockets, paths) -> None:

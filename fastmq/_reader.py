@@ -345,12 +345,12 @@ class RemoteReader:
             keep_bytes=_config.remote_buffers_bytes())
         spin_us = getattr(handle, "spin_us", None)
         self.stream.spin_s = (_config.spin_us(None) if spin_us is None else spin_us) / 1e6
-        self.stream.start_hello(self)
+        self.stream.start_hello()
         self.zmq = (None, [self.stream], [])
 
     def wait_until_ready(self) -> None:
         try:
-            self.stream.handshake(self)
+            self.stream.handshake()
         except _wire.WriterSpeaksZMTP:
             raise HandleMismatchError(
                 "this remote reader uses fastmq, but the writer at "
@@ -360,6 +360,7 @@ class RemoteReader:
 
     def shutdown(self) -> None:
         self.shutting_down = True
+        self.stream.cancel()
 
     def _writer(self) -> str:
         pid = getattr(self.handle, "writer_pid", None)
@@ -368,7 +369,7 @@ class RemoteReader:
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
         stream = self.stream
         try:
-            main, *oob = stream.recv(_overflow.deadline(timeout), self)
+            main, *oob = stream.recv(_overflow.deadline(timeout))
         except _stream.StreamEnded as e:
             raise RuntimeError(f"fastmq: {self._writer()} shut the queue down after message "
                                f"{e.last_seq}; every message it sent was received") from None

@@ -75,9 +75,17 @@ class Stream:
         self._counter = 0    # its seal counter
         self._failed: BaseException | None = None   # the check that failed, for good
         self.ended: StreamEnded | None = None
+        # Set by the reader's shutdown() (see cancel).
+        self.cancelled = threading.Event()
 
     # -- waiting ---------------------------------------------------------------------
-    def _drive(self, gen, until, end):
+    def cancel(self) -> None:
+        """The reader is shutting down: a wait in ``recv`` or in the
+        handshake raises ``RuntimeError("cancelled")`` within a slice (a
+        half-read message stays, as after a timeout)."""
+        self.cancelled.set()
+
+    def _drive(self, gen, until):
         """Run ``gen`` (which yields when it needs more bytes) to its end.
 
         Spins for ``spin_s`` first (non-blocking receives), then waits in
@@ -104,7 +112,7 @@ class Stream:
                 # this one to get off its core).
                 os.sched_yield()
                 continue
-            _wire.wait([(self.fd, select.POLLIN)], until, end)
+            _wire.wait([(self.fd, select.POLLIN)], until, self.cancelled)
 
     def _ensure(self, n: int):
         """Generator: make ``n`` bytes contiguous in the inbox."""
@@ -163,36 +171,36 @@ class Stream:
     # writer's wait_until_ready() can complete even before this reader's is
     # called (as it can with local readers, in one thread); then
     # wait_until_ready() waits for the writer's READY and opens it.
-    def start_hello(self, end) -> None:
+    def start_hello(self) -> None:
         self._hello_error = None
         self._hs = self._transcript = self._writer_public = None
-        self._hello_thread = threading.Thread(target=self._hello, args=(end,), daemon=True,
+        self._hello_thread = threading.Thread(target=self._hello, daemon=True,
                                               name="fastmq-remote-hello")
         self._hello_thread.start()
 
-    def _hello(self, end) -> None:
+    def _hello(self) -> None:
         try:
             if self._connect_error not in (0, errno.EINPROGRESS):
                 self._refused(self._connect_error)
-            while not _wire.wait([(self.fd, select.POLLOUT)], None, end):
+            while not _wire.wait([(self.fd, select.POLLOUT)], None, self.cancelled):
                 pass   # the connect completes (or fails) first
             err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 self._refused(err)
-            self._drive(self._answer_challenge(), None, end)
+            self._drive(self._answer_challenge(), None)
         except BaseException as e:
             self._hello_error = e
 
-    def handshake(self, end) -> None:
+    def handshake(self) -> None:
         t = self._hello_thread
         while t.is_alive():
-            if end.shutting_down:
+            if self.cancelled.is_set():
                 raise RuntimeError("cancelled")
             t.join(_wire.SLICE_S)
         try:
             if self._hello_error is not None:
                 raise self._hello_error
-            self._drive(self._await_ready(), None, end)
+            self._drive(self._await_ready(), None)
         except PeerGone:
             raise RuntimeError(
                 f"fastmq: the writer at {self.address} closed the connection during the "
@@ -249,7 +257,7 @@ class Stream:
             self.seal = _seal.Seal(self.security, key)
 
     # -- messages --------------------------------------------------------------------
-    def recv(self, until: float | None, end) -> list:
+    def recv(self, until: float | None) -> list:
         """The frames of the next message (bytearrays, checked); raises
         ``TimeoutError`` (resumable), ``RuntimeError("cancelled")``,
         ``StreamEnded`` (the writer closed the queue), ``PeerGone`` (the
@@ -265,7 +273,7 @@ class Stream:
         if self._step is None:
             self._step = self._message()
         try:
-            frames = self._drive(self._step, until, end)
+            frames = self._drive(self._step, until)
         except (TimeoutError, RuntimeError) as e:
             if isinstance(e, TimeoutError) or str(e) == "cancelled":
                 raise   # the half-read message stays, to be resumed

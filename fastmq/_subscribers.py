@@ -26,6 +26,9 @@ import time
 
 import zmq
 
+from fastmq._ring import SLOT_ALIVE, SLOT_DEAD, SLOT_FREE, SLOT_LEFT
+from fastmq.handle import HandleMismatchError
+
 IDENTITY_PREFIX = b"\xfffastmq-reader\x00"
 _ID = struct.Struct("<iIQ")
 IDENTITY_BYTES = len(IDENTITY_PREFIX) + _ID.size
@@ -103,3 +106,53 @@ class Subscribers:
 
 
 __all__ = ["IDENTITY_BYTES", "Subscribers", "identity", "subscribe"]
+
+
+# -- the writer's view of its local readers during the handshake ----------------------
+def local_readers_ready(ring, local: list, ring_name: str) -> bool:
+    """Whether every local rank's ring slot is held by a live process that
+    has subscribed: by identity on the data socket, ``local[0]``; on the
+    ZMQ-mode notify socket, which carries no identities, one catch-all
+    subscription per reader.  ``local`` is ``[(socket, Subscribers), ...]``.
+    Raises for a reader that died or left, and for a subscriber that is
+    not a fastmq reader."""
+    (_, data), *notify = local
+    ready = all(subs.catch_all >= ring.n_reader for _, subs in notify)
+    for rank in range(ring.n_reader):
+        pid, state = ring.reader_state(rank)
+        if state in (SLOT_DEAD, SLOT_LEFT):
+            raise RuntimeError(
+                f"fastmq: local reader rank {rank} (pid {pid}) "
+                f"{'died' if state == SLOT_DEAD else 'closed its end of the queue'} "
+                "before the handshake completed; the writer cannot make progress")
+        if state != SLOT_ALIVE or not data.has(rank, pid):
+            ready = False
+    if data.foreign:
+        # A fastmq reader claims its slot, then subscribes with its
+        # identity; a subscriber without one attached with vLLM's own
+        # MessageQueue, which would read this ring as vLLM's.
+        unclaimed = [r for r in range(ring.n_reader)
+                     if ring.reader_state(r)[1] == SLOT_FREE]
+        raise HandleMismatchError(
+            f"this MessageQueue handle was created by fastmq (ring segment "
+            f"{ring_name!r}) but local reader(s) {unclaimed or '?'} attached "
+            "with vLLM's own MessageQueue: fastmq is not active in their process. "
+            "Install fastmq in every vLLM process's environment, unset "
+            "FASTMQ_VLLM=0, or call fastmq.vllm.patch() before vLLM creates "
+            "its queues.")
+    return ready
+
+
+def missing_readers(ring, local: list, remote: str | None) -> str:
+    """The readers the handshake still waits for, for its periodic log
+    line: the local ranks of ``ring`` not yet present (``ring`` None: none
+    missing) and ``remote``, what the remote side says is missing."""
+    missing = []
+    if ring is not None:
+        for rank in range(ring.n_reader):
+            pid, state = ring.reader_state(rank)
+            if state != SLOT_ALIVE or not local[0][1].has(rank, pid):
+                missing.append(f"local rank {rank}" + (f" (pid {pid})" if pid else ""))
+    if remote:
+        missing.append(remote)
+    return ", ".join(missing) or "none"

@@ -97,11 +97,15 @@ class WriterSpeaksZMTP(RuntimeError):
     """The writer's port answered in ZMQ: a vLLM queue, not a fastmq one."""
 
 
-def wait(fds_events, until: float | None, end) -> bool:
+def wait(fds_events, until: float | None, stop=None) -> bool:
     """Wait one slice for any of ``fds_events``; raise ``RuntimeError
-    ("cancelled")`` when ``end.shutting_down`` (``end`` may be None),
-    ``TimeoutError`` once ``until`` has passed.  True if an event came."""
-    if end is not None and end.shutting_down:
+    ("cancelled")`` when ``stop`` (a ``threading.Event``, or None) is set,
+    ``TimeoutError`` once ``until`` has passed.  True if an event came.
+
+    ``stop`` is the waiting object's own flag, set by whoever shuts it
+    down (another thread, or a signal handler): a slice is short, so a
+    stop is seen within one."""
+    if stop is not None and stop.is_set():
         raise RuntimeError("cancelled")
     slice_s = SLICE_S
     if until is not None:

@@ -19,13 +19,15 @@ import zmq
 
 from fastmq import (_config, _fanout, _keys, _net, _overflow, _seal, _subscribers, _wire, cleanup,
                     segments)
-from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY, SLOT_ALIVE, SLOT_DEAD,
-                          SLOT_FREE, SLOT_LEFT, WAIT_ZMQ)
+from fastmq._ring import LONG_WAIT, PICKLER_STALE, READER_DIED, READY, WAIT_ZMQ
 from fastmq._serde import Encoder
-from fastmq.handle import BufferHandle, Handle, HandleMismatchError
+from fastmq.handle import BufferHandle, Handle
 from fastmq.ring import ShmRingBuffer
 
 logger = logging.getLogger("fastmq")
+
+# How often a wait for a flush checks that the local readers are alive.
+PEER_CHECK_S = 0.2
 
 
 class _Stats:
@@ -42,13 +44,6 @@ class _Stats:
 
 def _nbytes(buffers: list) -> int:
     return sum(memoryview(b).nbytes for b in buffers)
-
-
-def _resolve_geometry(max_chunk_bytes: int, max_chunks: int) -> tuple[int, int]:
-    mb = _config.env_int("FASTMQ_MAX_CHUNK_MB", None, minimum=1)
-    n = _config.env_int("FASTMQ_MAX_CHUNKS", None, minimum=1)
-    return (mb << 20 if mb is not None else max_chunk_bytes,
-            n if n is not None else max_chunks)
 
 
 class QueueWriter:
@@ -70,10 +65,7 @@ class QueueWriter:
         elif len(local_reader_ranks) != n_local_reader:
             raise ValueError(f"local_reader_ranks {local_reader_ranks} does not have "
                              f"n_local_reader={n_local_reader} entries")
-        max_chunk_bytes, max_chunks = _resolve_geometry(max_chunk_bytes, max_chunks)
-        if n_local_reader > 0:
-            # Queues whose writer was killed leave files nobody else removes.
-            cleanup.reap_dead_queues()
+        max_chunk_bytes, max_chunks = _config.ring_geometry(max_chunk_bytes, max_chunks)
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_remote_reader = n_reader - n_local_reader
         self.shutting_down = False
@@ -91,45 +83,14 @@ class QueueWriter:
         self._zmq_wakeup = False     # the ring notifies parked readers on a ZMQ socket
         self.buffer = self.ring = self.tensor_arena = None
         self.local_socket = self.notify_socket = self.fanout = None
-        context = zmq.Context()
-        sockets: list = []
-        paths: list[str] = []
-        local_subscribe_addr = local_notify_addr = remote_subscribe_addr = None
-        remote_addr_ipv6 = False
+        self.zmq = (zmq.Context(), [], [])
+        local_addrs = (None, None)
         security = None
         trust = _keys.new_writer_trust("none")
         try:
             if n_local_reader > 0:
-                self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks,
-                                            wait_mode=wait_mode, spin_us=spin_us)
-                self.ring = ring = self.buffer.ring
-                ring.warn_interval = _config.warning_interval()
-                self.local_socket = context.socket(zmq.XPUB)
-                sockets.append(self.local_socket)
-                # Every (un)subscription, so that the handshake counts the
-                # readers present (fastmq._subscribers), not events.
-                self.local_socket.setsockopt(zmq.XPUB_VERBOSER, True)
-                _overflow.tune_publisher(self.local_socket)
-                local_subscribe_addr, path = _net.bind_ipc(self.local_socket)
-                paths.append(path)
-                segments.remove_at_exit([path])
-                if ring.wait_mode == WAIT_ZMQ:
-                    # XPUB, not PUB: wait_until_ready() waits for every
-                    # reader's subscription here too, since a notify sent
-                    # before it arrives would be dropped (a lost wakeup).
-                    # Default high-water mark on purpose: with SNDHWM=1 a
-                    # notify sent before the socket has processed the
-                    # previous one's delivery is dropped silently.  The
-                    # ring notifies only while a reader is parked, so the
-                    # pipe stays short anyway.
-                    notify = self.notify_socket = context.socket(zmq.XPUB)
-                    notify.setsockopt(zmq.XPUB_VERBOSER, True)
-                    sockets.append(notify)
-                    local_notify_addr, path = _net.bind_ipc(notify)
-                    paths.append(path)
-                    segments.remove_at_exit([path])
-                    ring.use_zmq_wakeup(notify)
-                    self._zmq_wakeup = True
+                local_addrs = self._open_local(n_local_reader, max_chunk_bytes, max_chunks,
+                                               wait_mode, spin_us)
                 from fastmq import arena
 
                 self.tensor_arena = arena.create_for_queue(
@@ -137,34 +98,26 @@ class QueueWriter:
             elif arena_options:
                 raise TypeError(f"unexpected arguments {sorted(arena_options)}")
             if n_remote_reader > 0:
-                if not connect_ip:
-                    connect_ip = _net.local_ip()
                 security = _seal.mode(remote_security)
                 trust = _keys.new_writer_trust(security)
-                if _net.is_ipv6(connect_ip):
-                    remote_addr_ipv6 = True
-                    connect_ip = f"[{connect_ip.strip('[]')}]"
-                self.fanout = _fanout.Fanout(connect_ip, remote_addr_ipv6, security,
-                                             trust["psk"])
-                sockets.append(self.fanout)
-                remote_subscribe_addr = self.fanout.address
+                self._open_remote(connect_ip, security, trust["psk"])
         except BaseException:
-            _overflow.close_all(context, sockets, paths)
+            _overflow.close_all(*self.zmq)
             if self.buffer is not None:
                 self.buffer.close()
             raise
-        self.zmq = (context, sockets, paths)
         self.encoder = Encoder(self.tensor_arena)
         # The arena core's bound method, taken once: it runs per message.
         self._commit_arena = (self.tensor_arena.commit
                               if self.tensor_arena is not None else None)
+        fanout = self.fanout
         self.handle = Handle(
             local_reader_ranks=list(local_reader_ranks),
             buffer_handle=BufferHandle(*self.buffer.handle()) if self.buffer else None,
-            local_subscribe_addr=local_subscribe_addr,
-            local_notify_addr=local_notify_addr,
-            remote_subscribe_addr=remote_subscribe_addr,
-            remote_addr_ipv6=remote_addr_ipv6,
+            local_subscribe_addr=local_addrs[0],
+            local_notify_addr=local_addrs[1],
+            remote_subscribe_addr=fanout.address if fanout is not None else None,
+            remote_addr_ipv6=fanout.ipv6 if fanout is not None else False,
             tensor_arena_handle=(self.tensor_arena.handle()
                                  if self.tensor_arena is not None else None),
             remote_key=trust["remote_key"],
@@ -175,6 +128,56 @@ class QueueWriter:
             writer_pid=os.getpid(),
             spin_us=_config.spin_us(spin_us) if n_remote_reader else None,
         )
+
+    def _open_local(self, n_local_reader: int, max_chunk_bytes: int, max_chunks: int,
+                    wait_mode: str | None, spin_us: float | None) -> tuple[str, str | None]:
+        """The ring and the ipc sockets of the local readers; their
+        addresses (overflow, and notify in the ZMQ wait mode)."""
+        # Queues whose writer was killed leave files nobody else removes;
+        # a new local queue is when this host's /dev/shm is about to grow.
+        cleanup.reap_dead_queues()
+        context, sockets, paths = self.zmq
+        self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks,
+                                    wait_mode=wait_mode, spin_us=spin_us)
+        self.ring = ring = self.buffer.ring
+        ring.warn_interval = _config.warning_interval()
+        self.local_socket = context.socket(zmq.XPUB)
+        sockets.append(self.local_socket)
+        # Every (un)subscription, so that the handshake counts the readers
+        # present (fastmq._subscribers), not events.
+        self.local_socket.setsockopt(zmq.XPUB_VERBOSER, True)
+        _overflow.tune_publisher(self.local_socket)
+        subscribe_addr, path = _net.bind_ipc(self.local_socket)
+        paths.append(path)
+        segments.remove_at_exit([path])
+        notify_addr = None
+        if ring.wait_mode == WAIT_ZMQ:
+            # XPUB, not PUB: wait_until_ready() waits for every reader's
+            # subscription here too, since a notify sent before it arrives
+            # would be dropped (a lost wakeup).  Default high-water mark on
+            # purpose: with SNDHWM=1 a notify sent before the socket has
+            # processed the previous one's delivery is dropped silently.
+            # The ring notifies only while a reader is parked, so the pipe
+            # stays short anyway.
+            notify = self.notify_socket = context.socket(zmq.XPUB)
+            notify.setsockopt(zmq.XPUB_VERBOSER, True)
+            sockets.append(notify)
+            notify_addr, path = _net.bind_ipc(notify)
+            paths.append(path)
+            segments.remove_at_exit([path])
+            ring.use_zmq_wakeup(notify)
+            self._zmq_wakeup = True
+        return subscribe_addr, notify_addr
+
+    def _open_remote(self, connect_ip: str | None, security: str, psk: bytes | None) -> None:
+        """The listener remote readers connect to (``self.fanout``)."""
+        if not connect_ip:
+            connect_ip = _net.local_ip()
+        ipv6 = _net.is_ipv6(connect_ip)
+        if ipv6:
+            connect_ip = f"[{connect_ip.strip('[]')}]"
+        self.fanout = _fanout.Fanout(connect_ip, ipv6, security, psk)
+        self.zmq[1].append(self.fanout)
 
     # -- handshake and shutdown ----------------------------------------------
     def wait_until_ready(self) -> None:
@@ -219,7 +222,7 @@ class QueueWriter:
             if not local_done:
                 for sock, subs in local:
                     subs.drain(sock)
-                if self._local_readers_ready(local):
+                if _subscribers.local_readers_ready(self.ring, local, self.buffer.name):
                     self.local_socket.send(b"READY")
                     flushes.append(_overflow.send_flush(self.local_socket))
                     local_done = True
@@ -232,13 +235,16 @@ class QueueWriter:
                 # first enqueue() can, so a writer killed right after one
                 # still leaves readers that finished the handshake.
                 for tracker in flushes:
-                    _overflow.wait_flushed(tracker, None, "the readers' sockets", self)
+                    self._wait_flushed(tracker, None, "the readers' sockets")
                 return
             if time.monotonic() >= next_log:
                 next_log += _config.warning_interval()
+                far = (remote.missing(self.n_remote_reader)
+                       if remote is not None and not remote.readers else None)
                 logger.info("fastmq: the writer has waited %.0f s in wait_until_ready() "
                             "for its readers: %s", time.monotonic() - start,
-                            self._missing_readers(local, local_done))
+                            _subscribers.missing_readers(None if local_done else self.ring,
+                                                         local, far))
             poller = zmq.Poller()
             for sock, _ in local:
                 poller.register(sock, zmq.POLLIN)
@@ -246,56 +252,14 @@ class QueueWriter:
                 poller.register(sock, zmq.POLLIN)
             poller.poll(_overflow.RECV_SLICE_MS)
 
-    def _local_readers_ready(self, local) -> bool:
-        """Whether every local rank's slot is held by a live process that
-        has subscribed (by identity on the data socket; on the ZMQ-mode
-        notify socket, which carries no identities, one catch-all
-        subscription per reader); raises for a reader that died or left,
-        and for a subscriber that is not a fastmq reader."""
-        ring = self.ring
-        (_, data), *notify = local
-        ready = all(subs.catch_all >= ring.n_reader for _, subs in notify)
-        for rank in range(ring.n_reader):
-            pid, state = ring.reader_state(rank)
-            if state in (SLOT_DEAD, SLOT_LEFT):
-                raise RuntimeError(
-                    f"fastmq: local reader rank {rank} (pid {pid}) "
-                    f"{'died' if state == SLOT_DEAD else 'closed its end of the queue'} "
-                    "before the handshake completed; the writer cannot make progress")
-            if state != SLOT_ALIVE or not data.has(rank, pid):
-                ready = False
-        if data.foreign:
-            # A fastmq reader claims its slot, then subscribes with its
-            # identity; a subscriber without one attached with vLLM's own
-            # MessageQueue, which would read this ring as vLLM's.
-            unclaimed = [r for r in range(ring.n_reader)
-                         if ring.reader_state(r)[1] == SLOT_FREE]
-            raise HandleMismatchError(
-                f"this MessageQueue handle was created by fastmq (ring segment "
-                f"{self.buffer.name!r}) but local reader(s) {unclaimed or '?'} attached "
-                "with vLLM's own MessageQueue: fastmq is not active in their process. "
-                "Install fastmq in every vLLM process's environment, unset "
-                "FASTMQ_VLLM=0, or call fastmq.vllm.patch() before vLLM creates "
-                "its queues.")
-        return ready
-
-    def _missing_readers(self, local, local_done: bool) -> str:
-        missing = []
-        if not local_done:
-            for rank in range(self.ring.n_reader):
-                pid, state = self.ring.reader_state(rank)
-                if state != SLOT_ALIVE or not local[0][1].has(rank, pid):
-                    missing.append(f"local rank {rank}" + (f" (pid {pid})" if pid else ""))
-        if self.n_remote_reader and not self.fanout.readers:
-            missing.append(self.fanout.missing(self.n_remote_reader))
-        return ", ".join(missing) or "none"
-
     def shutdown(self) -> None:
         """An enqueue() on another thread either completes (its message is
         delivered before readers see the queue closed) or raises.  Called
         by a signal handler in the middle of this thread's enqueue(), it
         closes the ring when that enqueue() is done."""
         self.shutting_down = True
+        if self.fanout is not None:
+            self.fanout.cancel()
         ring = self.ring
         if ring is None:
             return
@@ -348,6 +312,23 @@ class QueueWriter:
         if ring is not None and ring.peer_status() == READER_DIED:
             raise RuntimeError(f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) "
                                f"{_gone(ring)}; the writer cannot deliver to it")
+
+    def _wait_flushed(self, tracker, until: float | None, where: str) -> None:
+        """Wait until the message of ``tracker`` (sent on ``where``, not yet
+        published in the ring) has left this process; between slices,
+        ``shutdown()`` raises ``RuntimeError("cancelled")`` and a local
+        reader that died raises (it could never take the message)."""
+        if tracker.done:
+            return
+        next_check = time.monotonic() + PEER_CHECK_S
+        while True:
+            if self.shutting_down:
+                raise RuntimeError("cancelled")
+            if _overflow.flush_slice(tracker, until, where):
+                return
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + PEER_CHECK_S
+                self.check_readers_alive()
 
     # -- raw chunk access ---------------------------------------------------------
     @contextmanager
@@ -484,7 +465,7 @@ class QueueWriter:
         self._overflow_id += 1
         _overflow.send_message(self.local_socket, self._overflow_id, buffers)
         tracker = _overflow.send_flush(self.local_socket)
-        _overflow.wait_flushed(tracker, until, "a local reader's socket", self)
+        self._wait_flushed(tracker, until, "a local reader's socket")
         self.ring.send_overflow_mark(self._overflow_id)
         stats = self.stats_
         stats.overflow_messages += 1
@@ -509,7 +490,7 @@ class QueueWriter:
             _wire.check_limits(buffers)
             # Backpressure: the rest of a message that was still going out
             # at its deadline leaves first.
-            fanout.wait_drained(until, self)
+            fanout.wait_drained(until)
             fanout.check_readers()
             if ring is not None:
                 framed = ring.framed_size(buffers)
@@ -520,9 +501,9 @@ class QueueWriter:
                 self._overflow_id += 1
                 _overflow.send_message(self.local_socket, self._overflow_id, buffers)
                 tracker = _overflow.send_flush(self.local_socket)
-                _overflow.wait_flushed(tracker, until, "a local reader's socket", self)
+                self._wait_flushed(tracker, until, "a local reader's socket")
             message = fanout.begin(buffers)
-            fanout.push(until, self, until_commit=True)
+            fanout.push(until, cancellable=True, until_commit=True)
             # Committed: the remote readers are getting the message.  The
             # ring must take it too, whatever happens now: the publish
             # neither waits nor heeds cancel(), a shutdown() from a signal

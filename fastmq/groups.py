@@ -1,4 +1,7 @@
-"""Building queues over a process group, and telling which ranks share a node.
+"""The collectives a queue needs over a process group, and which ranks share a node.
+
+The façade (``MessageQueue.create_from_process_group``) builds the queues
+with them.
 
 Works with a torch ``ProcessGroup`` (gloo is enough, on CPU) and with any
 object that has vLLM's ``StatelessProcessGroup`` methods.
@@ -12,8 +15,8 @@ from fastmq._segment import Segment
 from fastmq.segments import new_segment_name
 
 
-class _Ops:
-    """The four collectives we need, over either kind of group."""
+class Group:
+    """The collectives a queue needs, over either kind of group."""
 
     def __init__(self, pg: Any):
         self.pg = pg
@@ -53,7 +56,7 @@ class _Ops:
         return self.pg.all_gather_obj(obj)
 
 
-def same_node_as(ops: _Ops, source_rank: int) -> list[bool]:
+def same_node_as(ops: Group, source_rank: int) -> list[bool]:
     """Which ranks can map the source rank's shared memory.
 
     The source writes a random token into a fresh segment; every rank tries
@@ -88,41 +91,12 @@ def same_node_as(ops: _Ops, source_rank: int) -> list[bool]:
             seg.close()
 
 
-def create_from_process_group(cls, pg, max_chunk_bytes, max_chunks, writer_rank=0,
-                              external_writer_handle=None, blocking=True):
-    ops = _Ops(pg)
-    status = same_node_as(ops, writer_rank)
-    if ops.rank == writer_rank:
-        if external_writer_handle is not None:
-            mq = cls.create_from_handle(external_writer_handle, ops.rank)
-        else:
-            local = [r for r, s in enumerate(status) if s and r != writer_rank]
-            mq = cls(n_reader=ops.world_size - 1, n_local_reader=len(local),
-                     local_reader_ranks=local, max_chunk_bytes=max_chunk_bytes,
-                     max_chunks=max_chunks)
-        ops.broadcast(mq.export_handle(), writer_rank)
-    else:
-        handle = ops.broadcast(None, writer_rank)
-        mq = cls.create_from_handle(handle, ops.rank)
-    if blocking:
-        mq.wait_until_ready()
-    return mq
-
-
-def create_from_process_group_single_reader(cls, pg, max_chunk_bytes, max_chunks,
-                                            reader_rank=0, blocking=False):
-    ops = _Ops(pg)
-    # As in vLLM, ``reader_rank`` is a *global* rank here (parallel_state
-    # passes GroupCoordinator.ranks[i]); create_from_process_group's
-    # ``writer_rank`` is a group rank.
-    if reader_rank not in ops.global_ranks:
+def group_rank_of(group: Group, reader_rank: int) -> int:
+    """The group rank of global rank ``reader_rank``.  As in vLLM,
+    ``create_from_process_group_single_reader`` takes a *global* rank
+    (parallel_state passes ``GroupCoordinator.ranks[i]``), while
+    ``create_from_process_group``'s ``writer_rank`` is a group rank."""
+    if reader_rank not in group.global_ranks:
         raise ValueError(f"reader_rank {reader_rank} is not a rank of this group "
-                         f"(global ranks {ops.global_ranks})")
-    reader = ops.global_ranks.index(reader_rank)
-    status = same_node_as(ops, reader)
-    mq = cls(n_reader=1, n_local_reader=1 if status[ops.rank] else 0,
-             max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks)
-    handles = ops.all_gather(mq.export_handle())
-    if blocking:
-        mq.wait_until_ready()
-    return mq, (handles if ops.rank == reader else [])
+                         f"(global ranks {group.global_ranks})")
+    return group.global_ranks.index(reader_rank)

@@ -39,32 +39,71 @@ def _disown_after_fork() -> None:
 os.register_at_fork(after_in_child=_disown_after_fork)
 
 # Called (no arguments) after each queue end is created or attached in this
-# process.  fastmq.vllm sets it while active, so that a vLLM worker started
-# with fork -- which inherits the swapped classes but runs no plugin and no
-# import -- still logs that fastmq is active.
-on_queue_created = None
+# process; see add_creation_hook.
+_creation_hooks: list = []
+
+
+def add_creation_hook(hook) -> None:
+    """Call ``hook()`` after each queue is created or attached in this
+    process, until ``remove_creation_hook(hook)``; once per hook however
+    often it is added.  ``fastmq.vllm`` registers one while it is active,
+    so that a vLLM worker started with fork (which inherits the swapped
+    classes but runs no plugin and no import) still logs that fastmq is
+    active."""
+    if hook not in _creation_hooks:
+        _creation_hooks.append(hook)
+
+
+def remove_creation_hook(hook) -> None:
+    """Stop calling ``hook`` (see ``add_creation_hook``); no error if it
+    was not registered."""
+    if hook in _creation_hooks:
+        _creation_hooks.remove(hook)
 
 
 class MessageQueue:
     """One writer to ``n_reader`` readers, ``n_local_reader`` of them on this
-    node (shared memory), the rest remote (TCP).
+    node (shared memory), the rest remote (TCP).  Same constructor, methods
+    and errors as vLLM's ``MessageQueue``; the keyword-only arguments are
+    fastmq's own.
 
-    Same constructor, methods and errors as vLLM's ``MessageQueue``; extra
-    keyword arguments: ``wait_mode`` (``"futex"``, ``"zmq"`` or ``"spin"``;
-    default ``FASTMQ_WAIT`` or futex) and ``spin_us`` (how long readers spin
-    before parking; default ``FASTMQ_SPIN_US`` or 2000).  Readers adopt the
-    writer's wait mode and spin budget.  ``remote_security``
-    (default ``FASTMQ_REMOTE_SECURITY`` or ``"mac"``) protects the remote
-    TCP path: ``"mac"`` authenticates the writer, the readers and every
-    message, ``"encrypt"`` encrypts them too, ``"none"`` is plain TCP;
-    the readers' key comes from ``FASTMQ_SECRET`` / ``FASTMQ_SECRET_FILE``
-    when set, else it travels in the handle (see ``fastmq._keys``).
-    ``enable_shm_tensor_arena`` defaults to ``None``: the tensor arena is on
-    for local-only queues unless ``FASTMQ_ARENA=0``; ``arena_slots``,
-    ``arena_slot_mb``, ``arena_min_mb``, ``arena_prefault`` and
-    ``arena_copy_threads`` size it, and ``arena_readers`` (``"isolated"``,
-    the default, or ``"shared"``) says whether readers get copy-on-write
-    views of a slot or share its writable memory (see ``fastmq.arena``).
+    Parameters:
+        n_reader: how many readers, local and remote.
+        n_local_reader: how many of them are on this node (they read the
+            shared-memory ring; the others connect over TCP).
+        local_reader_ranks: the local readers' ranks (default
+            ``range(n_local_reader)``).
+        max_chunk_bytes: the size of a ring chunk (default 24 MiB; a
+            larger message goes over a socket).  ``FASTMQ_MAX_CHUNK_MB``
+            overrides it.
+        max_chunks: how many chunks the ring has (default 10).
+            ``FASTMQ_MAX_CHUNKS`` overrides it.
+        connect_ip: the address remote readers connect to (default: this
+            node's).
+        enable_shm_tensor_arena: the tensor arena, which copies a large
+            buffer once for every local reader.  ``None`` (the default):
+            on unless ``FASTMQ_ARENA=0``, where ``/dev/shm`` has room.
+        wait_mode: how readers wait, ``"futex"``, ``"zmq"`` or ``"spin"``
+            (default ``FASTMQ_WAIT``, else futex).  Readers adopt the
+            writer's.
+        spin_us: how long a reader spins before it parks (default
+            ``FASTMQ_SPIN_US``, else 2000).  Readers adopt the writer's.
+        remote_security: the remote path's protection (default
+            ``FASTMQ_REMOTE_SECURITY``, else ``"mac"``): ``"mac"``
+            authenticates the writer, the readers and every message,
+            ``"encrypt"`` encrypts them too, ``"none"`` is plain TCP.  The
+            readers' key comes from ``FASTMQ_SECRET`` /
+            ``FASTMQ_SECRET_FILE`` when set, else it travels in the handle.
+        **arena_options: the arena's sizing, ``arena_slots``,
+            ``arena_slot_mb``, ``arena_min_mb``, ``arena_prefault``,
+            ``arena_copy_threads``; and ``arena_readers``: ``"isolated"``
+            (the default: readers get copy-on-write views of a slot) or
+            ``"shared"`` (they share its writable memory).  See
+            ``fastmq.arena``.
+
+    Raises:
+        ValueError: a count or an option out of range.
+        RuntimeError: ``/dev/shm`` too small for the ring.
     """
 
     def __init__(
@@ -112,8 +151,8 @@ class MessageQueue:
         self._finalizer = weakref.finalize(self, _overflow.close_all, *end.zmq)
         self._finalizer.atexit = False
         _live_queues.add(self)
-        if on_queue_created is not None:
-            on_queue_created()
+        for hook in _creation_hooks:
+            hook()
 
     def _forked(self) -> RuntimeError:
         return RuntimeError(
@@ -299,9 +338,23 @@ class MessageQueue:
         methods (``rank``, ``world_size``, ``broadcast_obj``, ``all_gather_obj``)."""
         from fastmq import groups
 
-        return groups.create_from_process_group(
-            MessageQueue, pg, max_chunk_bytes, max_chunks, writer_rank,
-            external_writer_handle, blocking)
+        group = groups.Group(pg)
+        on_node = groups.same_node_as(group, writer_rank)
+        if group.rank == writer_rank:
+            if external_writer_handle is not None:
+                mq = MessageQueue.create_from_handle(external_writer_handle, group.rank)
+            else:
+                local = [r for r, same in enumerate(on_node) if same and r != writer_rank]
+                mq = MessageQueue(n_reader=group.world_size - 1, n_local_reader=len(local),
+                                  local_reader_ranks=local, max_chunk_bytes=max_chunk_bytes,
+                                  max_chunks=max_chunks)
+            group.broadcast(mq.export_handle(), writer_rank)
+        else:
+            handle = group.broadcast(None, writer_rank)
+            mq = MessageQueue.create_from_handle(handle, group.rank)
+        if blocking:
+            mq.wait_until_ready()
+        return mq
 
     @staticmethod
     def create_from_process_group_single_reader(pg, max_chunk_bytes, max_chunks,
@@ -311,8 +364,15 @@ class MessageQueue:
         rank's queue and, on the reader, every rank's handle."""
         from fastmq import groups
 
-        return groups.create_from_process_group_single_reader(
-            MessageQueue, pg, max_chunk_bytes, max_chunks, reader_rank, blocking)
+        group = groups.Group(pg)
+        reader = groups.group_rank_of(group, reader_rank)
+        on_node = groups.same_node_as(group, reader)
+        mq = MessageQueue(n_reader=1, n_local_reader=1 if on_node[group.rank] else 0,
+                          max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks)
+        handles = group.all_gather(mq.export_handle())
+        if blocking:
+            mq.wait_until_ready()
+        return mq, (handles if group.rank == reader else [])
 
 
 __all__ = ["MessageQueue", "Handle", "BufferHandle", "HandleMismatchError",

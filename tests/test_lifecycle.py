@@ -300,7 +300,7 @@ def test_shutdown_from_a_signal_handler_between_payload_and_mark(procs, monkeypa
     """A signal handler that called shutdown() after an overflow payload
     left but before its ring mark: enqueue() returned while the parked
     reader had already seen "closed" and stopped without the message."""
-    from fastmq import _overflow
+    from fastmq._writer import QueueWriter
 
     w = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4,
                      enable_shm_tensor_arena=False)
@@ -314,14 +314,14 @@ def test_shutdown_from_a_signal_handler_between_payload_and_mark(procs, monkeypa
         w.shutdown()
         time.sleep(0.5)                 # the parked reader sees "closed" now
 
-    real = _overflow.wait_flushed
+    real = QueueWriter._wait_flushed
 
     def flushed_then_signal(*a, **kw):
         real(*a, **kw)
         os.kill(os.getpid(), signal.SIGUSR1)
 
     old = signal.signal(signal.SIGUSR1, on_signal)
-    monkeypatch.setattr(_overflow, "wait_flushed", flushed_then_signal)
+    monkeypatch.setattr(QueueWriter, "_wait_flushed", flushed_then_signal)
     try:
         try:
             w.enqueue(b"x" * 200_000)   # overflow: payload, then mark

@@ -12,20 +12,16 @@ from fastmq import _fanout, _stream, _wire
 MiB = 1 << 20
 
 
-class _Open:
-    shutting_down = False
-
-
 def _connected_pair(spin_s: float):
     fan = _fanout.Fanout("127.0.0.1", False, "none", None)
     stream = _stream.Stream(fan.address, False, "none", None, 0)
     stream.spin_s = spin_s
-    stream.start_hello(_Open())
+    stream.start_hello()
     deadline = time.monotonic() + 10
     while not fan.handshake_step(1):
         assert time.monotonic() < deadline, "the handshake did not complete"
         time.sleep(0.001)
-    stream.handshake(_Open())
+    stream.handshake()
     return fan, stream
 
 
@@ -50,7 +46,7 @@ def _waits_during(stream, monkeypatch, send) -> tuple[list, int]:
     t = threading.Thread(target=send)
     t.start()
     try:
-        frames = stream.recv(time.monotonic() + 30, _Open())
+        frames = stream.recv(time.monotonic() + 30)
     finally:
         t.join()
     return frames, waits

@@ -271,8 +271,10 @@ def _route_logs_to_vllm(undo: bool = False) -> None:
 def _set_queue_hook(on: bool) -> None:
     from fastmq import queue
 
-    if hasattr(queue, "on_queue_created"):
-        queue.on_queue_created = _on_queue_created if on else None
+    if on:
+        queue.add_creation_hook(_on_queue_created)
+    else:
+        queue.remove_creation_hook(_on_queue_created)
 
 
 def _on_queue_created() -> None:
