@@ -127,7 +127,7 @@ class Encoder:
     may return a small slot descriptor to send out of band instead of the
     bytes, its ``commit()`` runs once a message is published (``abort()``
     once sending it failed before that), and its
-    ``reducer_override(obj)`` is the pickler's (see ``fastmq._arena``): the
+    ``reducer_override(obj)`` is the pickler's (see ``fastmq._arena_writer``): the
     core's bound (Cython) method itself, since the pickler calls it for
     every object that is not a builtin container or atom.
     """

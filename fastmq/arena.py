@@ -1,8 +1,9 @@
 """The shared-memory tensor arena's Python surface: sizing, the
 ``ArenaWriter`` and ``ArenaReader`` ends (``ShmTensorArena`` makes either),
-and the per-process registry of attached arenas.  The mechanism (layout,
-flags, copy, descriptors, lifetimes) is in ``fastmq._arena``; how a queue
-uses it is in ``fastmq.queue``.
+and the per-process registry of attached arenas.  The mechanism is in
+Cython: the layout, flags and lifetimes in ``fastmq._arena``, the copy and
+the descriptors in ``fastmq._arena_writer``, mapping and releases in
+``fastmq._arena_reader``; how a queue uses it is in ``fastmq.queue``.
 
 The design is explained in docs/design.md, section "Tensor arena".
 
@@ -42,7 +43,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fastmq import _config, segments
-from fastmq._arena import ArenaEnd, ArenaError, SlotBuffer, is_descriptor, layout
+from fastmq._arena import ArenaError, SlotBuffer, is_descriptor, layout
+from fastmq._arena_reader import ArenaReaderEnd
+from fastmq._arena_writer import ArenaWriterEnd
 
 logger = logging.getLogger("fastmq")
 
@@ -218,7 +221,7 @@ def attach_error(name: str) -> str | None:
 
 
 # -- ends ------------------------------------------------------------------------
-def _close_writer(core: ArenaEnd, creator_pid: int) -> None:
+def _close_writer(core: ArenaWriterEnd, creator_pid: int) -> None:
     # The name goes now (no new attach); the mapping when the last
     # reference to the core does (the encoder, a writer-side view).
     core.close()
@@ -239,11 +242,12 @@ class ShmTensorArena:
     returns its ``ArenaWriter`` (``readers="shared"`` lets readers write
     each other's tensors, see the module docstring); with ``name`` and
     ``reader_rank`` it attaches and returns ``ArenaReader`` ``reader_rank``.
-    Either holds its ``ArenaEnd`` (the mapping and flags) as ``core``.
+    Either holds its Cython end (the mapping and flags) as ``core``: an
+    ``ArenaWriterEnd`` or an ``ArenaReaderEnd``.
     """
 
     is_creator: bool
-    core: ArenaEnd
+    core: ArenaWriterEnd | ArenaReaderEnd
     name: str
     n_reader: int
     slot_bytes: int
@@ -267,8 +271,8 @@ class ShmTensorArena:
     # No __init__: the object is complete when __new__ returns it, and
     # object.__init__ ignores the constructor's arguments.
 
-    def _set_end(self, core: ArenaEnd, n_reader: int, slot_bytes: int, n_slots: int,
-                 reader_rank: int) -> None:
+    def _set_end(self, core: ArenaWriterEnd | ArenaReaderEnd, n_reader: int, slot_bytes: int,
+                 n_slots: int, reader_rank: int) -> None:
         self.n_reader = n_reader
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
@@ -322,9 +326,9 @@ class ArenaWriter(ShmTensorArena):
         _check_space(total, n_slots, slot_bytes)
         seg = segments.create_segment("arena", total, "the fastmq tensor arena")
         try:
-            core = ArenaEnd.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
-                                   copy_threads or default_copy_threads(), COPY_MIN_PART,
-                                   prefault != "off", readers == "shared")
+            core = ArenaWriterEnd.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
+                                         copy_threads or default_copy_threads(), COPY_MIN_PART,
+                                         prefault != "off", readers == "shared")
         except BaseException:
             segments.forget_segment(seg.name)
             seg.unlink()
@@ -344,7 +348,7 @@ class ArenaWriter(ShmTensorArena):
     # core's bound methods, so no Python frame sits on that path.
     @property
     def reducer_override(self) -> Callable[[Any], Any]:
-        """The pickler's ``reducer_override`` (see ``ArenaEnd.reducer_override``)."""
+        """The pickler's ``reducer_override`` (see ``ArenaWriterEnd.reducer_override``)."""
         return self.core.reducer_override
 
     @property
@@ -400,7 +404,7 @@ class ArenaReader(ShmTensorArena):
     @classmethod
     def _attach(cls, name: str, n_reader: int, slot_bytes: int, n_slots: int,
                 reader_rank: int) -> "ArenaReader":
-        core = ArenaEnd.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
+        core = ArenaReaderEnd.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
         self = object.__new__(cls)
         self._set_end(core, n_reader, slot_bytes, n_slots, reader_rank)
         _ARENAS[name] = self

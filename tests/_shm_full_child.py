@@ -34,9 +34,9 @@ def arena_on_old_kernel() -> None:
     pages are reserved with posix_fallocate first, so a full /dev/shm sends
     the array the socket way instead of killing the writer."""
     import numpy as np
-    from fastmq import _arena
+    from fastmq import _arena_writer
 
-    _arena.set_populate(False)
+    _arena_writer.set_populate(False)
     w, r = _pair(max_chunk_bytes=64 * 1024, max_chunks=2, enable_shm_tensor_arena=True,
                  arena_slots=2, arena_slot_mb=2, arena_min_mb=0.5, arena_prefault="off")
     filler = _fill_dev_shm(MiB // 2)
@@ -49,7 +49,7 @@ def arena_on_old_kernel() -> None:
     w.enqueue(a)
     assert np.array_equal(r.dequeue(timeout=10), a)
     assert w.stats()["arena_hits"] >= 1
-    _arena.set_populate(True)
+    _arena_writer.set_populate(True)
     print("arena OK")
 
 

@@ -7,11 +7,13 @@ import ctypes
 import logging
 import os
 import pickle
+import re
 import shutil
 import struct
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +21,11 @@ import torch
 
 import _arena_children as ac
 from _queues import local_pair
-from fastmq import MessageQueue, _arena, _cuda
+from fastmq import MessageQueue, _arena, _arena_reader, _cuda
 from fastmq import arena as A
+from fastmq._arena import ArenaEnd, SlotBuffer
+from fastmq._arena_reader import ArenaReaderEnd
+from fastmq._arena_writer import ArenaWriterEnd
 
 MiB = 1 << 20
 
@@ -133,9 +138,9 @@ def test_readers_own_their_tensors_by_default():
 
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "whole-slot"])
 def test_a_later_message_in_the_slot_shows_no_earlier_write(scan):
-    if scan and not _arena.cow_scan_available():
+    if scan and not _arena_reader.cow_scan_available():
         pytest.skip("this kernel has no PAGEMAP_SCAN (Linux 6.7)")
-    prev = _arena.set_cow_scan(scan)
+    prev = _arena_reader.set_cow_scan(scan)
     try:
         w, (r,) = _pair(slots=1)                     # every message uses slot 0
         n = MiB // 2                                  # 2 MiB of float32: 512 pages
@@ -162,7 +167,7 @@ def test_a_later_message_in_the_slot_shows_no_earlier_write(scan):
             assert st["arena_whole_slot_drops"] == 4
             assert st["arena_private_bytes_dropped"] == 0
     finally:
-        _arena.set_cow_scan(prev)
+        _arena_reader.set_cow_scan(prev)
 
 
 def test_writer_memory_is_not_written_by_readers():
@@ -425,6 +430,41 @@ def test_empty_tensor_slot_returns_to_rotation_when_dropped():
     assert _core(w).free_slots() == []
     del t
     assert _core(w).free_slots() == [0]
+
+
+# -- one class per role --------------------------------------------------------------
+WRITER_ONLY = ("reducer_override", "copy_to_slot", "commit", "abort", "reserve", "prefault",
+               "prefault_idle", "faulted_bytes", "min_bytes", "copy_threads", "prefault_ahead")
+READER_ONLY = ("map_oob", "flush_releases", "reader_refs", "reader_rank", "owner_pid", "pinned")
+# A method that asks which end it is on: the rank compared with -1 or 0, a
+# writer flag, or one side's state tested for absence outside allocation.
+ROLE_TEST = re.compile(r"reader_rank\s*(<|>=)\s*0\b|reader_rank\s*[!=]=\s*-1|"
+                       r"reader_rank\s*>\s*-1|\bwriter_side\b|\bis_writer\b|"
+                       r"\b(prefault_lock|prefault_jobs|pending|deferred)\s+is\s+None|"
+                       r"\b(reserved|faulted|refs)\s*==\s*NULL\s+or\s+not\b")
+
+
+def test_each_end_has_only_its_roles_methods():
+    w, (r,) = _pair()
+    assert type(_core(w)) is ArenaWriterEnd and type(_core(r)) is ArenaReaderEnd
+    assert issubclass(ArenaWriterEnd, ArenaEnd) and issubclass(ArenaReaderEnd, ArenaEnd)
+    for name in WRITER_ONLY:
+        assert hasattr(ArenaWriterEnd, name), name
+        assert not hasattr(ArenaReaderEnd, name) and not hasattr(ArenaEnd, name), name
+    for name in READER_ONLY:
+        assert hasattr(ArenaReaderEnd, name), name
+        assert not hasattr(ArenaWriterEnd, name) and not hasattr(ArenaEnd, name), name
+    assert not hasattr(SlotBuffer, "writer_side")
+
+
+def test_no_method_asks_which_end_it_is():
+    import fastmq
+
+    sources = sorted(Path(fastmq.__file__).parent.glob("_arena*.pyx"))
+    assert {p.name for p in sources} >= {"_arena.pyx", "_arena_writer.pyx", "_arena_reader.pyx"}
+    found = [f"{p.name}:{i}: {line.strip()}" for p in sources
+             for i, line in enumerate(p.read_text().splitlines(), 1) if ROLE_TEST.search(line)]
+    assert not found, "role checks in the arena's ends:\n" + "\n".join(found)
 
 
 # -- validation of what comes from shared memory --------------------------------------

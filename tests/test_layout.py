@@ -8,7 +8,8 @@ import struct
 import pytest
 
 from fastmq import MessageQueue
-from fastmq._arena import ArenaEnd, ArenaError
+from fastmq._arena import ArenaError
+from fastmq._arena_reader import ArenaReaderEnd
 from fastmq._ring import RingEnd, SegmentMismatchError
 from fastmq._segment import Segment
 
@@ -52,10 +53,10 @@ def test_arena_attach_refuses_a_foreign_segment_and_another_version():
     n_reader, slot_bytes, n_slots, name = queue.tensor_arena.handle()
     old = _poke_u32(name, VERSION_OFFSET, 99)
     with pytest.raises(ArenaError, match="layout version 99"):
-        ArenaEnd.attach(name, n_reader, slot_bytes, n_slots, 0)
+        ArenaReaderEnd.attach(name, n_reader, slot_bytes, n_slots, 0)
     _poke_u32(name, VERSION_OFFSET, old)
-    ArenaEnd.attach(name, n_reader, slot_bytes, n_slots, 0).close()
+    ArenaReaderEnd.attach(name, n_reader, slot_bytes, n_slots, 0).close()
 
     ring_name = queue.export_handle().buffer_handle[3]
     with pytest.raises(ArenaError, match="not a fastmq tensor arena"):
-        ArenaEnd.attach(ring_name, n_reader, slot_bytes, n_slots, 0)
+        ArenaReaderEnd.attach(ring_name, n_reader, slot_bytes, n_slots, 0)

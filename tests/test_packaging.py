@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DIST = "vllm-fastmq"
-COMPILED = ["_segment", "_sink", "_ring", "_arena", "_floor"]
+COMPILED = ["_segment", "_sink", "_ring", "_arena", "_arena_writer", "_arena_reader", "_floor"]
 
 # What the sdist must carry beyond the package: the test suite with its
 # helpers (a missing conftest or children module makes it unrunnable), the

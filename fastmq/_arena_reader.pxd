@@ -1,0 +1,24 @@
+from libc.stdint cimport uint64_t
+from fastmq._arena cimport ArenaEnd
+
+cdef class ArenaReaderEnd(ArenaEnd):
+    cdef readonly int reader_rank
+    # The process that attached this end; only it changes the arena's
+    # shared flags through it (see fastmq/_native/fmq_proc.h).
+    cdef readonly long owner_pid
+    cdef int *refs                         # live reader SlotBuffers per slot
+    cdef uint64_t *ref_epoch               # epoch those SlotBuffers view
+    cdef list pending                      # released slots waiting for an event
+    cdef list deferred                     # [(event, [slot, ...]), ...]
+    cdef object cuda
+    cdef bint pin_attempted
+    cdef readonly bint pinned
+    cdef uint64_t n_views, n_released, n_event_gated
+    cdef uint64_t n_cow_bytes, n_slot_discards, n_discard_failed
+    cdef bint logged_discard
+
+    cdef object resolve(self, const char *desc)
+    cdef void release_named(self, const char *desc) noexcept
+    cdef object maybe_pin(self)
+    cdef void mark_done(self, int slot) noexcept
+    cdef int discard(self, int slot) noexcept
