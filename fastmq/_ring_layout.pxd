@@ -1,5 +1,6 @@
 # The ring segment's header: byte offsets from the mapping's base.  One
-# definition, cimported by the ring itself (fastmq/_ring.pyx) and by the
+# definition, cimported by the ring itself (fastmq/_ring.pyx and its ends,
+# fastmq/_ring_writer.pyx and fastmq/_ring_reader.pyx) and by the
 # read-only inspection code that ``fastmq ls`` and ``fastmq cleanup`` use,
 # so that nothing restates them.
 cdef enum:

@@ -120,7 +120,7 @@ class _OverridePickler(pickle.Pickler):
 class Encoder:
     """Turns an object into ``[pickle stream, oob buffer, ...]`` (``encode``),
     or leaves it pickled in ``sink`` for the ring to frame (``pickler`` and
-    ``sink`` are what ``RingEnd.send_object`` takes).
+    ``sink`` are what ``RingWriter.send_object`` takes).
 
     ``arena`` (the writer's end of the tensor arena) may claim large buffers
     first: its ``copy_to_slot(buf)`` is asked for every ``PickleBuffer`` and

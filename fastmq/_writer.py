@@ -570,7 +570,7 @@ class QueueWriter:
         out = self.stats_.as_dict()
         ring = self.ring
         if ring is not None:
-            # The one-call path counts in the ring (RingEnd.send_object).
+            # The one-call path counts in the ring (RingWriter.send_object).
             out["ring_messages"] += ring.sent_messages
             out["ring_bytes"] += ring.sent_bytes
         out["wakeups"] = ring.wakeups if ring is not None else 0

@@ -39,6 +39,7 @@ import tempfile
 
 from fastmq import _proc
 from fastmq._net import IPC_PREFIX
+from fastmq._ring_reader import RingReader
 from fastmq._snapshot import CREATOR_BYTES
 from fastmq._snapshot import ring_creator as _header_creator
 from fastmq.segments import SEGMENT_PREFIX, SHM_PATH
@@ -70,7 +71,7 @@ def _segment_alive(path: str, name_pid: int) -> bool:
     if creator is None:
         return _proc.is_alive(name_pid)
     pid, started = creator
-    # The header pid is the creator's (RingEnd.create runs in the process that
+    # The header pid is the creator's (RingWriter.create runs in the process that
     # named the segment); a disagreeing name keeps the file if it is alive.
     return _proc.is_alive(pid, started) or (pid != name_pid and _proc.is_alive(name_pid))
 
@@ -243,7 +244,7 @@ def remove_dead_writer(ring) -> list[str]:
     """``remove_files_of`` the writer a reader end of ``ring`` names in its
     header, if that writer has ended (killed, or killed after it closed the
     queue: one that exits normally has removed its files already)."""
-    if ring is None or ring.reader_rank < 0:
+    if not isinstance(ring, RingReader):
         return []
     return remove_files_of(ring.writer_pid, ring.writer_start)
 

@@ -313,7 +313,8 @@ class MessageQueue:
 
     @property
     def _ring(self):
-        """This end of the ring (``fastmq._ring.RingEnd``), or None."""
+        """This end of the ring (``fastmq._ring_writer.RingWriter`` or
+        ``fastmq._ring_reader.RingReader``), or None."""
         return self._end.ring
 
     @property

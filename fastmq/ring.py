@@ -1,5 +1,6 @@
 """``ShmRingBuffer``: the ring segment of a queue, with vLLM's surface,
-over one ``fastmq._ring.RingEnd``; and the rings open in this process, so
+over one ring end (``fastmq._ring_writer.RingWriter`` or
+``fastmq._ring_reader.RingReader``); and the rings open in this process, so
 that an error can name a peer process that is gone (``dead_peers_note``).
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Iterator
 
 from fastmq import _config, _proc
 from fastmq._ring import RingEnd, layout
+from fastmq._ring_reader import RingReader
+from fastmq._ring_writer import RingWriter
 from fastmq._segment import Segment
 from fastmq.segments import create_segment, forget_segment
 
@@ -30,7 +33,7 @@ def dead_peers() -> dict[int, list[str]]:
         ring = buf.ring
         if ring is None or buf.closed:
             continue
-        if ring.reader_rank < 0:
+        if isinstance(ring, RingWriter):
             for r in range(ring.n_reader):
                 pid, started = ring.reader_identity(r)
                 if pid and not _proc.is_alive(pid, started):
@@ -96,7 +99,7 @@ class ShmRingBuffer:
                                  + max_chunk_bytes)
             try:
                 pid, started = _proc.me()
-                self.ring = RingEnd.create(
+                self.ring = RingWriter.create(
                     seg, n_reader, max_chunk_bytes, max_chunks,
                     _config.wait_mode_code(wait_mode),
                     int(_config.spin_us(spin_us) * 1000), pid, started,
@@ -120,14 +123,14 @@ class ShmRingBuffer:
         self._name = name if name is not None else self.segment.name
         self.closed = False
 
-    def attach_reader(self, reader_rank: int) -> RingEnd:
+    def attach_reader(self, reader_rank: int) -> RingReader:
         if self.segment is None:
             raise FileNotFoundError(
                 f"fastmq ring segment {self._name!r} does not exist on this node "
                 "(its writer is gone, or this process is on another machine)"
             )
-        self.ring = RingEnd.attach(self.segment, self.n_reader, self.max_chunk_bytes,
-                                self.max_chunks, reader_rank)
+        self.ring = RingReader.attach(self.segment, self.n_reader, self.max_chunk_bytes,
+                                     self.max_chunks, reader_rank)
         _open_rings.add(self)
         return self.ring
 

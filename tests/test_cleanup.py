@@ -15,7 +15,7 @@ import pytest
 
 import fastmq
 from fastmq import MessageQueue, _proc
-from fastmq._ring import RingEnd
+from fastmq._ring_writer import RingWriter
 from fastmq._segment import Segment
 
 import _fault_children as children
@@ -111,7 +111,7 @@ def test_ring_header_identity_matches_creator():
 def _fake_segment(pid: int, kind: str, header_identity=None) -> Segment:
     seg = Segment.create(f"fastmq_{pid}_{kind}_{secrets.token_hex(6)}", 1 << 16)
     if header_identity is not None:
-        RingEnd.create(seg, 1, 4096, 2, 1, 0, *header_identity)
+        RingWriter.create(seg, 1, 4096, 2, 1, 0, *header_identity)
     return seg
 
 

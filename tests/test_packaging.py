@@ -24,7 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DIST = "vllm-fastmq"
-COMPILED = ["_segment", "_sink", "_ring", "_arena", "_arena_writer", "_arena_reader", "_floor"]
+COMPILED = ["_segment", "_sink", "_ring", "_ring_writer", "_ring_reader", "_arena", "_arena_writer",
+            "_arena_reader", "_floor"]
 
 # What the sdist must carry beyond the package: the test suite with its
 # helpers (a missing conftest or children module makes it unrunnable), the
@@ -40,6 +41,8 @@ SDIST_REQUIRED = [
     "tests/_vllm_children.py", "tests/_ls_children.py", "tests/gpu/test_arena_cuda.py",
     "tests/test_packaging.py",
     "fastmq/_ring.pyx", "fastmq/_ring.pxd", "fastmq/_ring_layout.pxd",
+    "fastmq/_ring_writer.pyx", "fastmq/_ring_writer.pxd",
+    "fastmq/_ring_reader.pyx", "fastmq/_ring_reader.pxd",
     "fastmq/_native/fmq_atomic.h", "fastmq/_native/fmq_populate.h", "fastmq/_native/fmq_copy.h",
     "fastmq/_native/fmq_cow.h", "fastmq/_native/layout.pxd",
     "fastmq/vllm/fastmq-vllm.pth", "fastmq/py.typed",

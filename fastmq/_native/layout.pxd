@@ -1,7 +1,8 @@
 # What every fastmq segment layout shares (the ring, the tensor arena): one
 # definition of the word accessors, the alignment rule and the header
-# check, cimported by fastmq/_ring.pyx and fastmq/_arena.pyx.  Each layout's
-# own offsets stay with it (fastmq/_ring_layout.pxd, fastmq/_arena.pyx).
+# check, cimported by the ring's modules (fastmq/_ring*.pyx) and
+# fastmq/_arena.pyx.  Each layout's own offsets stay with it
+# (fastmq/_ring_layout.pxd, fastmq/_arena.pyx).
 from libc.stdint cimport uint32_t, uint64_t
 
 from fastmq._native.atomic cimport fmq_load_u64_acq
