@@ -190,19 +190,24 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          "woken by a Python writer that slept as long"),
 ]}
 
-# Which vLLM row each row is compared with: like with like (arena with
-# arena, arena off with arena off, remote with remote of the same shape,
-# whatever fastmq's security).
-VLLM_COUNTERPART = {
-    "fastmq-futex+arena": "vllm+arena", "vllm+arena": "vllm+arena",
-    **{i.name: "vllm" + _SHAPES[i.remote][0] for i in IMPLS.values() if i.remote},
-    # The name of the CURVE row in files written before the security settings.
-    "fastmq-remote+curve": "vllm-remote",
-}
+# The remote rows, in report order, with the vLLM row each is compared with
+# (remote with remote of the same shape, whatever fastmq's security).
+REMOTE_ROWS = {i.name: (None if i.family == "vllm" else "vllm" + _SHAPES[i.remote][0])
+               for i in IMPLS.values() if i.remote}
 
 
-def vllm_counterpart(name: str) -> str:
-    return VLLM_COUNTERPART.get(name, "vllm")
+def remote_notes(names) -> list[str]:
+    """What the remote rows among ``names`` are (a table's notes)."""
+    if not any("-remote" in n for n in names):
+        return []
+    return ["-remote: every reader of the broadcast is a remote reader (TCP over loopback, "
+            "on this machine's cores) and answers on a local 1:1 queue; -remote-both: remote "
+            "both ways, as in vLLM's multi-node executor: each reader answers on a queue of "
+            "its own whose reader (the writer) is remote too.",
+            "security of fastmq's TCP path: fastmq-remote and fastmq-remote-both have the "
+            "default, a keyed MAC authenticating every message; +encrypt: AES-GCM "
+            "encryption; +plain: plain TCP, unauthenticated, the comparison for what the "
+            "default costs. vLLM's remote path is plain TCP."]
 
 
 BROKEN = {
