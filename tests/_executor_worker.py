@@ -4,7 +4,7 @@ Two parts:
 
 * ``TestWorker``: the worker class vLLM's spawned ``WorkerProc`` builds
   (``ParallelConfig.worker_cls = "_executor_worker.TestWorker"``): no
-  device, no model, ``echo`` / ``tensor_sum`` (from fastmq's bench worker)
+  device, no model, ``echo`` / ``tensor_sum``
   and ``queues()``, which reports the queues vLLM's worker process holds;
 * ``main(phase)``: the engine process, started by the test as ``python -c``
   (``FASTMQ_VLLM`` decides whose queue vLLM uses there and in the
@@ -32,9 +32,22 @@ BIG = 64 * MiB
 
 # -- the worker ---------------------------------------------------------------------
 def _worker_class():
-    from fastmq.bench._executor_worker import EchoWorker
+    from vllm.v1.worker.worker_base import WorkerBase
 
-    class TestWorker(EchoWorker):
+    class TestWorker(WorkerBase):
+        def init_device(self) -> None:
+            pass
+
+        def load_model(self, *, load_dummy_weights: bool = False) -> None:
+            pass
+
+        def echo(self, x):
+            return x
+
+        def tensor_sum(self, t):
+            return {"rank": self.rank, "sum": int(t.sum()), "numel": t.numel(),
+                    "dtype": str(t.dtype)}
+
         def queues(self) -> dict:
             """The queues of the vLLM ``WorkerProc`` running this call (found on
             the stack: vLLM keeps them there, not on the worker)."""
@@ -161,7 +174,7 @@ def _children() -> list[str]:
 
 
 def _executor(model_dir: str):
-    from fastmq.bench.executor import make_executor
+    from _vllm_models import make_executor
 
     return make_executor(model_dir, 2, worker_cls="_executor_worker.TestWorker")
 
@@ -336,7 +349,7 @@ PHASES = {"round_trips": round_trips, "kill_worker": kill_worker, "arena_default
 def main(*phases: str) -> None:
     """Run ``phases`` in this engine process, one executor each; print
     ``RESULT <json>``.  The model directory is ``FASTMQ_TEST_MODEL_DIR``."""
-    from fastmq.bench.executor import ENGINE_ENV, tiny_model
+    from _vllm_models import ENGINE_ENV, tiny_model
 
     for k, v in ENGINE_ENV.items():
         os.environ.setdefault(k, v)

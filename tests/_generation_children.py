@@ -56,9 +56,9 @@ def _announce(a, pids: dict) -> dict:
 
 
 def front(a) -> int:
-    from fastmq.bench import generate as g
+    import _vllm_models as g
 
-    os.environ.update({k: v for k, v in g.ENGINE_ENV.items() if k not in os.environ})
+    os.environ.update({k: v for k, v in g.GEN_ENGINE_ENV.items() if k not in os.environ})
     model = g.tiny_llama(tempfile.mkdtemp(prefix="model-"))
     result: dict = {}
     llm = g.make_llm(model, 2)
@@ -107,9 +107,9 @@ def node0(a) -> int:
     """Node 0 of two: the front process, whose engine core starts worker 0
     here and reaches worker 1 on node 1; generate, then exit with the engine
     alive (the process exit is the shutdown)."""
-    from fastmq.bench import generate as g
+    import _vllm_models as g
 
-    os.environ.update({k: v for k, v in g.ENGINE_ENV.items() if k not in os.environ})
+    os.environ.update({k: v for k, v in g.GEN_ENGINE_ENV.items() if k not in os.environ})
     llm = g.make_llm(os.environ["FASTMQ_TEST_MODEL_DIR"], 2, node_rank=0,
                      **_two_node_args())
     result: dict = {"queue": g.queue_class()}
@@ -123,9 +123,9 @@ def node1(a) -> int:
     """Node 1 of two, as ``vllm serve --nnodes 2 --node-rank 1 --headless``
     runs it: vLLM's executor with worker 1, then its worker monitor, until
     the node is stopped (SIGTERM)."""
-    from fastmq.bench import generate as g
+    import _vllm_models as g
 
-    os.environ.update({k: v for k, v in g.ENGINE_ENV.items() if k not in os.environ})
+    os.environ.update({k: v for k, v in g.GEN_ENGINE_ENV.items() if k not in os.environ})
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 

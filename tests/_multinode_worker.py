@@ -63,9 +63,9 @@ def __getattr__(name):
 
 # -- both nodes -----------------------------------------------------------------------
 def _config(node_rank: int):
-    # The node's environment has fastmq.bench.executor.ENGINE_ENV (vLLM's
+    # The node's environment has _vllm_models.ENGINE_ENV (vLLM's
     # CPU platform), set before anything imported vLLM.
-    from fastmq.bench.executor import tiny_model
+    from _vllm_models import tiny_model
     from vllm.engine.arg_utils import EngineArgs
 
     model = tiny_model(os.environ["FASTMQ_TEST_MODEL_DIR"])

@@ -1,5 +1,5 @@
 """fastmq-bench: ``--quick`` runs every scenario end to end and writes valid
-JSON, Markdown and (with matplotlib) plots; a broken implementation makes
+JSON and Markdown; a broken implementation makes
 the run fail instead of reporting a time; the README's figures are the ones
 generated from bench/results.json; the bench runs without torch.  No figure
 is asserted: numbers belong to the benchmark, not to tests."""
@@ -15,8 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from fastmq.bench import config, harness, impls, report, verify
-from fastmq.bench.impls import vllm_counterpart
+from fastmq.bench import config, figures, harness, impls, readme, report, scenario, verify
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +29,6 @@ def _have(module: str) -> bool:
 
 
 HAVE_VLLM = _have("vllm.distributed.device_communicators.shm_broadcast")
-HAVE_MPL = _have("matplotlib")
 
 
 def _runs_here(*names: str) -> set[str]:
@@ -54,9 +52,8 @@ def bench(*args: str, timeout: float = 240, pythonpath: str | None = None
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    paths = {"json": out / "out.json", "md": out / "RESULTS.md", "plots": out / "plots"}
-    proc = bench("--quick", "--json", str(paths["json"]), "--plot", str(paths["plots"]),
-                 "--results-md", str(paths["md"]))
+    paths = {"json": out / "out.json", "md": out / "RESULTS.md"}
+    proc = bench("--quick", "--json", str(paths["json"]), "--results-md", str(paths["md"]))
     return proc, paths
 
 
@@ -68,7 +65,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
     proc, paths = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(paths["json"].read_text())
-    assert data["schema"] == report.SCHEMA
+    assert data["schema"] == figures.SCHEMA
     assert data["command"].startswith("python -m fastmq.bench --no-progress --quick --json ")
     m = data["machine"]
     for key in ("cpu_model", "logical_cpus", "usable_cpus", "kernel", "python"):
@@ -143,7 +140,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
     if HAVE_VLLM:
         by = {(r["scenario"], r["impl"], r["size_bytes"]): r for r in recs}
         size = p.tensor_sizes[0]
-        for scenario, mine, theirs, sz in (
+        for scen, mine, theirs, sz in (
                 ("step", "fastmq-futex", "vllm", config.KiB),
                 ("step", "fastmq-remote", "vllm-remote", config.KiB),
                 ("step", "fastmq-remote-both", "vllm-remote-both", config.KiB),
@@ -151,15 +148,15 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
                 ("tensor", "fastmq-futex+arena", "vllm+arena", size),
                 ("tensor", "fastmq-remote", "vllm-remote", size),
                 ("tensor", "fastmq-remote-both", "vllm-remote-both", size)):
-            f, v = by[(scenario, mine, sz)], by[(scenario, theirs, sz)]
-            assert f["vs_vllm"] == pytest.approx(v["p50"] / f["p50"]), (scenario, mine)
+            f, v = by[(scen, mine, sz)], by[(scen, theirs, sz)]
+            assert f["vs_vllm"] == pytest.approx(v["p50"] / f["p50"]), (scen, mine)
             assert v["vs_vllm"] is None  # vLLM is the reference, not compared with itself
 
     # The summary and the notes are on stdout; every scenario's table only
     # with --tables (and in RESULTS.md, below).
     assert "summary:" in proc.stdout and "rerun with --tables" in proc.stdout
     for s in measured:
-        assert report.TITLES[s] not in proc.stdout
+        assert scenario.get(s).title not in proc.stdout
     # Nothing after the report: modules vLLM imports print pages of
     # "nanobind: leaked ..." at interpreter teardown, which the command skips.
     assert "nanobind" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
@@ -169,7 +166,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
                             timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert tables.returncode == 0, tables.stderr[-3000:]
     for s in measured:
-        assert report.TITLES[s] in tables.stdout
+        assert scenario.get(s).title in tables.stdout
     assert "vs vLLM" in tables.stdout and "--tables" not in tables.stdout
 
 
@@ -181,7 +178,7 @@ def test_quick_output_names_no_issue_numbers_or_targets(quick_run):
             re.search(r".{60}(#\d|\bissues?\b|\btargets?\b).{60}", text, re.I | re.S)
 
 
-def test_quick_writes_results_md_with_command_line_and_plots(quick_run):
+def test_quick_writes_results_md_with_command_line(quick_run):
     proc, paths = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     md = paths["md"].read_text().splitlines()
@@ -195,18 +192,6 @@ def test_quick_writes_results_md_with_command_line_and_plots(quick_run):
         if config.preset("quick").readers[s]:
             assert f"### {s}:" in text
     assert "| N | payload | implementation |" in text
-    data = json.loads(paths["json"].read_text())
-    if HAVE_MPL:
-        names = sorted(os.listdir(paths["plots"]))
-        assert names == sorted(["step_latency.png", "step_vs_size.png", "tensor_vs_size.png",
-                                "wake_latency.png", "throughput.png"])
-        for n in names:
-            assert (paths["plots"] / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-            assert f"(plots/{n})" in text
-        assert len(data["plots"]) == 5
-    else:
-        assert not paths["plots"].exists()
-        assert any("matplotlib is not installed" in n for n in data["notes"])
 
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not importable")
@@ -429,7 +414,7 @@ def test_ratios_compare_like_with_like_in_one_convention():
              "rate": 40e3},
             {"scenario": "throughput", "impl": "fastmq-futex", "n_readers": 1,
              "size_bytes": 64, "rate": 300e3}]
-    report.annotate(recs)
+    figures.annotate(recs)
     by = {(r["scenario"], r["impl"]): r for r in recs}
     # Always the reference's time / this time: above 1 = faster.
     assert by[("step", "fastmq-futex")]["vs_vllm"] == pytest.approx(10.0)
@@ -452,22 +437,23 @@ def test_ratios_compare_like_with_like_in_one_convention():
     for r in recs:
         r.setdefault("runs", 1)
     # The summary puts the step beside its floor, with the ratio.
-    assert ["step round trip against its floor (pickling + a C round trip), 1 KiB, N=1, p50",
-            "8.00 us (fastmq-futex)", "4.00 us (floor+pickle)", "0.500x"] in report.headline(recs)
-    headers, rows = report.tensor_matrix(recs)
+    assert ["step round trip against its floor (pickling + a C round trip), 1 KiB, N=1",
+            "8.00 us (fastmq-futex)", "4.00 us (floor+pickle)", "0.500x"] in report.summary_rows(recs)
+    tensor = scenario.get("tensor")
+    headers, rows = report.grid(recs, tensor, tensor.grids[0][3], "vLLM / fastmq")
     assert ["arena", "64 MiB", "120 / 30.0 = 4.00x"] in rows
     assert ["arena off", "64 MiB", "150 / 300 = 0.500x"] in rows
     assert ["remote both ways", "64 MiB", "90.0 / 60.0 = 1.50x"] in rows
     # The summary: each remote row against vLLM's of its shape, and what the
     # default security costs against +plain (100 us / 150 us).
-    rows = {r[0]: r[1:] for r in report.headline(recs)}
-    assert rows["step round trip, remote readers (TCP), +plain, 1 KiB, N=1, p50"] == [
+    rows = {r[0]: r[1:] for r in report.summary_rows(recs)}
+    assert rows["step round trip, remote readers (TCP), +plain, 1 KiB, N=1"] == [
         "100 us (fastmq-remote+plain)", "300 us (vllm-remote)", "3.00x"]
     assert rows["step round trip, remote both ways (vLLM's multi-node executor shape), "
-                "1 KiB, N=1, p50"] == ["800 us (fastmq-remote-both)",
+                "1 KiB, N=1"] == ["800 us (fastmq-remote-both)",
                                        "400 us (vllm-remote-both)", "0.500x"]
     assert rows["security cost: fastmq-remote against fastmq-remote+plain, step round trip, "
-                "1 KiB, N=1, p50"] == ["150 us (fastmq-remote)",
+                "1 KiB, N=1"] == ["150 us (fastmq-remote)",
                                        "100 us (fastmq-remote+plain)", "0.667x"]
 
 
@@ -478,9 +464,9 @@ def test_repeated_runs_merge_to_the_median_with_spread():
                     p90=p50, p99=p50, mean=p50, samples_ns=[1, 2]),
                _rec("step", "vllm", v, samples=100, min=v, max=v, p90=v, p99=v, mean=v,
                     samples_ns=[3])]
-        report.annotate(run)
+        figures.annotate(run)
         runs.append(run)
-    merged = {r["impl"]: r for r in report.merge(runs)}
+    merged = {r["impl"]: r for r in figures.merge(runs)}
     f = merged["fastmq-futex"]
     assert f["runs"] == 3 and f["p50"] == 20.0 and f["p50_runs"] == [10.0, 30.0, 20.0]
     assert f["samples"] == 300 and f["min"] == 5.0 and f["max"] == 60.0
@@ -489,7 +475,7 @@ def test_repeated_runs_merge_to_the_median_with_spread():
     # not the median of the runs' own ratios (5, 2, 4.5), which are kept.
     assert f["vs_vllm"] == pytest.approx(3.0)
     assert f["vs_vllm_runs"] == pytest.approx([5.0, 2.0, 4.5])
-    assert report.spread(f) == "10.0..30.0"
+    assert scenario.spread(f) == "10.0..30.0"
 
 
 def test_a_floor_slower_than_what_it_bounds_is_marked():
@@ -498,97 +484,73 @@ def test_a_floor_slower_than_what_it_bounds_is_marked():
             _rec("step", "vllm", 400.0, config.MiB),
             _rec("wake", "floor-pipe", 60.0, None), _rec("wake", "fastmq-spin", 50.0, None),
             _rec("wake", "fastmq-futex", 90.0, None)]
-    notes = report.check_floors(recs)
+    notes = figures.check_floors(recs)
     assert recs[0]["not_a_floor"] == ["fastmq-futex"]
     assert len(notes) == 1 and notes[0].startswith("NOT A FLOOR: floor (step 1 MiB, N=1)")
     # A spinning reader never parks: the parked-reader floor does not bound it.
     assert "not_a_floor" not in recs[3]
     recs[0]["p50"] = 100.0
     del recs[0]["not_a_floor"]
-    assert report.check_floors(recs) == [] and "not_a_floor" not in recs[0]
+    assert figures.check_floors(recs) == [] and "not_a_floor" not in recs[0]
+
+
+def _readme_block() -> str:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    a, b = text.find(readme.BEGIN), text.find(readme.END)
+    assert 0 <= a < b, "README.md has no generated figures block"
+    return text[a:b + len(readme.END)]
 
 
 def test_readme_figures_are_generated_from_results_json():
     """The README's figures block is exactly what `fastmq-bench --readme
     bench/results.json [--readme bench/results-25gbit.json]` generates, from
     the files its first line names: nobody types a figure."""
-    current = report.readme_current_block(os.path.join(ROOT, "README.md"))
-    assert current is not None, "README.md has no generated figures block"
+    current = _readme_block()
     m = re.search(r"Generated by `fastmq-bench ((?:--readme \S+ )+)--update-readme README.md`",
                   current)
     assert m, "the README's figures do not name the command that generated them"
     paths = m.group(1).split()[1::2]
     assert paths[0] == "bench/results.json"
-    results = [report.load_results(os.path.join(ROOT, p)) for p in paths]
-    block = report.readme_block(results[0], paths[0], tuple(zip(results[1:], paths[1:])))
+    results = [figures.load_results(os.path.join(ROOT, p)) for p in paths]
+    block = readme.block(results[0], paths[0], tuple(zip(results[1:], paths[1:])))
     assert current == block, ("README.md's figures differ from the JSON files: run "
-                              f"`{report.readme_command(paths)}`")
+                              f"`{readme.command(paths)}`")
+    # One table, at most 8 rows, no implementation names in its cells, one
+    # kind of ratio; and the sentence saying where fastmq is slower.
+    (headers, rows), = _md_tables(current)
+    assert headers == readme.HEADERS and 0 < len(rows) <= readme.MAX_ROWS
+    assert not any("(" in cell for row in rows for cell in row[1:])
+    assert "fastmq is slower than vLLM (below 1x) in " in current
 
 
-def test_a_json_file_from_an_older_run_renders_under_todays_rules(tmp_path):
-    mib = 128 * config.MiB
-    old = {"command": "python -m fastmq.bench --full", "started": "2026-01-01T00:00:00+00:00",
-           "duration_s": 1.0, "config": {"preset": "full"}, "plots": [],
-           "machine": {"cpu_model": "cpu", "usable_cpus": 2, "logical_cpus": 2,
-                       "memory_bytes": None, "kernel": "k", "python": "3"},
-           "versions": {"fastmq": "0"},
-           "notes": ["Ratios: vs vLLM = vLLM's time / this time"],
-           "targets": [{"issue": 3, "what": "x", "value": "1", "target": "2", "met": False}],
-           "records": [
-               _rec("tensor", "vllm", 150.0, mib, warmup=1, samples=10, min=1.0, max=1.0, p90=1.0,
-                    p99=1.0, mean=1.0, vs_vllm=1.0),
-               _rec("tensor", "vllm+arena", 40.0, mib, warmup=1, samples=10, min=1.0, max=1.0,
-                    p90=1.0, p99=1.0, mean=1.0, vs_vllm=150 / 40),
-               _rec("tensor", "fastmq-futex+arena", 20.0, mib, warmup=1, samples=10, min=1.0,
-                    max=1.0, p90=1.0, p99=1.0, mean=1.0, vs_vllm=7.5, vs_vllm_arena=2.0,
-                    x_floor=1.0)]}
+def test_the_slower_sentence_comes_from_the_figures():
+    recs = [_rec("step", "vllm", 80.0), _rec("step", "fastmq-futex", 8.0),
+            _rec("step", "vllm-remote", 80.0, config.MiB, 2),
+            _rec("step", "fastmq-remote", 160.0, config.MiB, 2)]
+    figures.annotate(recs)
+    text = readme.slower([{"records": recs}])
+    assert text == ("fastmq is slower than vLLM (below 1x) in step, 1 of 2 figures "
+                    "(fastmq-remote, 1 MiB; lowest 0.500x, fastmq-remote, N=2).")
+    figures.annotate(recs[:2])
+    assert readme.slower([{"records": recs[:2]}]) == (
+        "fastmq is faster than vLLM in every one of the 1 figures compared.")
+
+
+def test_a_json_file_of_another_format_is_refused(tmp_path):
     path = tmp_path / "old.json"
-    path.write_text(json.dumps(old))
-    md = tmp_path / "RESULTS.md"
-    from fastmq.bench.__main__ import main
-
-    assert main(["--from-json", str(path), "--results-md", str(md)]) == 0
-    text = md.read_text()
-    assert "issue" not in text and "target" not in text and "x_floor" not in text
-    # fastmq's arena is compared with vLLM's arena now, not with vLLM without one.
-    assert "| arena | 128 MiB | 40.0 / 20.0 = 2.00x |" in text
-    assert "One run: figures are not medians of repeated runs." in text
-
-
-def test_a_json_file_from_before_the_security_settings_renders(tmp_path):
-    # Its fastmq-remote ran with CURVE off: shown as +plain, its +curve row
-    # under its own name, both against vLLM's remote row; nothing crashes.
-    kw = dict(warmup=1, samples=10, min=1.0, max=1.0, p90=1.0, p99=1.0, mean=1.0, runs=1)
-    old = {**_result([_rec("step", "vllm-remote", 80.0, **kw),
-                      _rec("step", "fastmq-remote", 160.0, **kw),
-                      _rec("step", "fastmq-remote+curve", 200.0, **kw)]),
-           "schema": "fastmq-bench/2",
-           "implementations": {"fastmq-remote": {"available": True, "reason": "",
-                                                 "description": "CURVE off"}}}
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps(old))
-    result = report.load_results(str(path))
-    by = {r["impl"]: r for r in result["records"]}
-    assert set(by) == {"vllm-remote", "fastmq-remote+plain", "fastmq-remote+curve"}
-    assert by["fastmq-remote+plain"]["vs_vllm"] == pytest.approx(0.5)
-    assert by["fastmq-remote+curve"]["vs_vllm"] == pytest.approx(0.4)
-    assert set(result["implementations"]) == {"fastmq-remote+plain"}
-    block = report.readme_block(result)
-    assert "(fastmq-remote+plain) | 80.0 us (vllm-remote) | 0.500x |" in block
-    assert "security cost" not in block  # no default-security row in that run
-    text = report.terminal(result, tables=True)
-    assert "fastmq-remote+curve (a run before the security settings above)" in text
-    assert arithmetic_errors(block) == []
+    path.write_text(json.dumps({**_result([]), "schema": "fastmq-bench/2"}))
+    with pytest.raises(ValueError, match="not a fastmq-bench/3 JSON file"):
+        figures.load_results(str(path))
 
 
 def test_update_readme_replaces_only_the_block(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{report.README_BEGIN}\nold 1.0 us\n{report.README_END}\nend\n")
-    assert report.update_readme(str(readme), f"{report.README_BEGIN}\nnew\n{report.README_END}")
-    assert readme.read_text() == f"intro\n{report.README_BEGIN}\nnew\n{report.README_END}\nend\n"
-    readme.write_text("no block here\n")
+    f = tmp_path / "README.md"
+    f.write_text(f"intro\n{readme.BEGIN}\nold 1.0 us\n{readme.END}\nend\n")
+    assert readme.update(str(f), f"{readme.BEGIN}\nnew\n{readme.END}")
+    assert f.read_text() == f"intro\n{readme.BEGIN}\nnew\n{readme.END}\nend\n"
+    f.write_text("no block here\n")
     with pytest.raises(ValueError, match="no generated figures block"):
-        report.update_readme(str(readme), "x")
+        readme.update(str(f), "x")
 
 
 def test_runs_without_torch(tmp_path):
@@ -775,6 +737,13 @@ def arithmetic_errors(text: str) -> list[str]:
         if not _close(float(r), float(a), float(b)):
             bad.append(f"{a} / {b} = {r}x")
     for headers, rows in _md_tables(text):
+        if headers == readme.HEADERS:
+            # vLLM's figure / fastmq's (throughput: fastmq's / vLLM's).
+            for fig, mine, ref, r in rows:
+                a, b = _figure(mine), _figure(ref)
+                if not (_close(_figure(r), a, b) if "msg/s" in mine else _close(_figure(r), b, a)):
+                    bad.append(f"{fig}: {mine} against {ref} = {r}")
+            continue
         if headers == ["figure", "fastmq", "compared with", "ratio"]:
             # The reference's time / fastmq's (for rates: fastmq's / the reference's).
             for fig, mine, ref, r in rows:
@@ -798,7 +767,7 @@ def arithmetic_errors(text: str) -> list[str]:
         # The step's floor is the C round trip plus pickling where measured.
         floor = "floor+pickle" if any(k[1] == "floor+pickle" for k in by) else "floor"
         for key, row in by.items():
-            for col, ref_impl in (("vs vLLM", vllm_counterpart(key[1])), ("vs floor", floor),
+            for col, ref_impl in (("vs vLLM", _COUNTERPART.get(key[1], "vllm")), ("vs floor", floor),
                                   ("vs pipe floor", "floor-pipe")):
                 if col not in headers or row[headers.index(col)] == "-":
                     continue
@@ -810,6 +779,9 @@ def arithmetic_errors(text: str) -> list[str]:
                     bad.append(f"{key} {col}: {row[value]} against {ref[value]} = "
                                f"{row[headers.index(col)]}")
     return bad
+
+
+_COUNTERPART = {**scenario.get("step").rows, **scenario.get("tensor").rows}
 
 
 def _merged_runs() -> list[dict]:
@@ -835,9 +807,9 @@ def _merged_runs() -> list[dict]:
                  "rate_max": 1e9, "messages": 10},
                 {"scenario": "throughput", "impl": "vllm", "n_readers": 1, "size_bytes": 64,
                  "rate": 3e4 * (3 - k), "rate_min": 1.0, "rate_max": 1e9, "messages": 10}]
-        report.annotate(run)
+        figures.annotate(run)
         runs.append(run)
-    return report.merge(runs)
+    return figures.merge(runs)
 
 
 def _result(records: list[dict]) -> dict:
@@ -854,11 +826,11 @@ def test_every_generated_table_adds_up(tmp_path):
     matrix; from repeated runs (where the median of the runs' ratios is not
     that quotient), from bench/results.json, and in the README."""
     merged = _result(_merged_runs())
-    texts = {"terminal": report.terminal(merged), "readme block": report.readme_block(merged)}
-    report.write_markdown(str(tmp_path / "merged.md"), merged, [])
+    texts = {"terminal": report.terminal(merged), "readme block": readme.block(merged)}
+    report.write_markdown(str(tmp_path / "merged.md"), merged)
     texts["RESULTS.md of repeated runs"] = (tmp_path / "merged.md").read_text()
-    saved = report.load_results(os.path.join(ROOT, "bench", "results.json"))
-    report.write_markdown(str(tmp_path / "saved.md"), saved, [])
+    saved = figures.load_results(os.path.join(ROOT, "bench", "results.json"))
+    report.write_markdown(str(tmp_path / "saved.md"), saved)
     texts["RESULTS.md from bench/results.json"] = (tmp_path / "saved.md").read_text()
     texts["README.md"] = open(os.path.join(ROOT, "README.md")).read()
     for name, text in texts.items():

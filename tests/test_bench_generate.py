@@ -3,7 +3,7 @@ make a table, summary rows and README rows (the measurement itself runs
 vLLM's CPU build: see tests/test_vllm_generation.py and the bench run)."""
 from __future__ import annotations
 
-from fastmq.bench import config, report
+from fastmq.bench import config, figures, readme, report, scenario
 from fastmq.bench.__main__ import build_parser, params_from_args
 
 
@@ -19,8 +19,8 @@ def _records():
     for r in recs:
         v = next(x for x in recs if x["impl"] == "vllm" and x["size_bytes"] == r["size_bytes"])
         r["cpu_vs_vllm"] = v["cpu_s_per_token"] / r["cpu_s_per_token"]
-    report.annotate(recs)
-    return report.merge([recs])
+    figures.annotate(recs)
+    return figures.merge([recs])
 
 
 def test_generate_is_a_scenario_selected_by_name():
@@ -38,21 +38,21 @@ def test_generate_is_a_scenario_selected_by_name():
 
 def test_generate_table_and_summary_rows():
     recs = _records()
-    text = report.section(recs, "generate", md=True)
+    text = report.section(recs, scenario.get("generate"), md=True)
     assert "ms per token" in text and "CPU s per token" in text
-    assert "| 2* | 1 | fastmq-futex | 5.00 |" in text
-    rows = report.generate_rows(recs)
-    what = "real generation (vLLM 0.32.0, CPU build), TP=2*, 1 sequence"
-    assert rows[0] == [f"{what}, ms per token", "5.00 ms",
-                       "7.50 ms (vllm)", report.ratio(1.5)]
-    assert rows[1][0] == f"{what}, CPU s per token (engine core + workers)"
-    assert rows[1][3] == report.ratio(1.5)
+    assert "| 2* | 1 sequence | fastmq-futex | 5.00 |" in text
+    rows = [r for r in report.summary_rows(recs) if r[0].startswith("real generation")]
+    what = "real generation (vLLM 0.32.0, CPU build)"
+    assert rows[0] == [f"{what}, ms per token, 1 sequence, TP=2*", "5.00 ms (fastmq-futex)",
+                       "7.50 ms (vllm)", scenario.ratio(1.5)]
+    assert rows[2][0] == f"{what}, CPU s per token (engine core + workers), 1 sequence, TP=2*"
+    assert rows[2][3] == scenario.ratio(1.5)
     assert any("4 sequences" in r[0] for r in rows)
 
 
 def test_generate_rows_are_in_the_readme_block():
     result = {"machine": {"cpu_model": "cpu", "usable_cpus": 2}, "records": _records(),
               "command": "fastmq-bench generate", "started": "now", "notes": []}
-    block = report.readme_block(result)
-    assert "real generation (vLLM 0.32.0, CPU build), TP=2*, 1 sequence, ms per token" in block
-    assert "CPU s per token" in block
+    block = readme.block(result)
+    assert ("| real generation (vLLM 0.32.0, CPU build), ms per token, 1 sequence, TP=2* | "
+            "5.00 ms | 7.50 ms | 1.50x |") in block

@@ -35,7 +35,7 @@ SDIST_REQUIRED = [
     "LICENSE", "README.md", "docs/design.md", "docs/operations.md",
     "pyproject.toml", "setup.py", "MANIFEST.in",
     ".ci/setup", ".ci/run",
-    "bench/RESULTS.md", "bench/reserve_cost.py", "bench/run.sh", "bench/results.json",
+    "bench/RESULTS.md", "bench/run.sh", "bench/results.json",
     "tests/conftest.py", "tests/_queues.py", "tests/_core_children.py",
     "tests/_arena_children.py", "tests/_fault_children.py", "tests/_wakeup_children.py",
     "tests/_vllm_children.py", "tests/_ls_children.py", "tests/gpu/test_arena_cuda.py",

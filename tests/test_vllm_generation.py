@@ -42,9 +42,9 @@ TIMEOUT = 900
 
 
 def _python() -> str:
-    from fastmq.bench import generate
+    from _vllm_models import vllm_cpu_python
 
-    py = generate.vllm_cpu_python()
+    py = vllm_cpu_python()
     if py is None or not os.path.exists(py):
         pytest.fail("vLLM's CPU build is not installed: run bash .ci/setup-vllm-cpu "
                     "(or set FASTMQ_VLLM_CPU_PYTHON)")

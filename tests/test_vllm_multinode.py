@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 import _nodes
-from fastmq.bench.executor import ENGINE_ENV
+from _vllm_models import ENGINE_ENV
 
 ACTIVE_LINE = "fastmq is active in vLLM"
 SHM = "vllm.distributed.device_communicators.shm_broadcast"

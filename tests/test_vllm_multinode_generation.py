@@ -90,7 +90,7 @@ def two_nodes(tmp_path, fastmq_vllm: str) -> dict:
                FASTMQ_TEST_MODEL_DIR=str(model),
                FASTMQ_TEST_MASTER_PORT=str(_nodes.free_port()))
     env.pop("FASTMQ_HOST_IP", None)
-    subprocess.run([py, "-c", "import sys; from fastmq.bench import generate as g; "
+    subprocess.run([py, "-c", "import sys; import _vllm_models as g; "
                     "g.tiny_llama(sys.argv[1])", str(model)], env=env, check=True,
                    capture_output=True)
     nodes = {}

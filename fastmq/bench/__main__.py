@@ -59,7 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "the R runs, with their spread (full: 3)")
     p.add_argument("--json", metavar="PATH", help="write every figure and machine details")
     p.add_argument("--raw", action="store_true", help="include every sample in the JSON")
-    p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
     p.add_argument("--results-md", metavar="PATH",
                    help="write a Markdown report (bench/RESULTS.md)")
     p.add_argument("--link-rate", metavar="RATE",
@@ -240,52 +239,36 @@ def _main(argv: list[str], from_module: bool) -> int:
             f"network namespace of this run's own): a link slower than memory, as between "
             f"nodes. Local paths are unaffected. tc: {qdisc}")
 
-    from fastmq.bench import report
-
-    plots: list[str] = []
-    if args.plot:
-        from fastmq.bench import plots as plotting
-
-        ok, why = plotting.available()
-        if ok:
-            plots = plotting.write(result["records"], args.plot)
-        else:
-            result["notes"].append(why)
-            print(f"fastmq-bench: {why}", file=sys.stderr)
-    result["plots"] = plots
-    print(report.terminal(result, tables=args.tables))
-    if args.json:
-        report.write_json(args.json, result, raw=args.raw)
-        print(f"\nwrote {args.json}")
-    if args.results_md:
-        report.write_markdown(args.results_md, result, plots)
-        print(f"wrote {args.results_md}")
-    for p in plots:
-        print(f"wrote {p}")
-    return 0
+    return _write(args, result, raw=args.raw)
 
 
 def _render(args, argv, from_module) -> int:
-    from fastmq.bench import report
+    from fastmq.bench import figures
 
     try:
-        result = report.load_results(args.from_json)
+        result = figures.load_results(args.from_json)
     except (OSError, ValueError) as e:
         print(f"fastmq-bench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     result["rendered_by"] = command_line(argv, from_module)
+    return _write(args, result, raw=True)  # keeps whatever the file had
+
+
+def _write(args, result: dict, raw: bool) -> int:
+    from fastmq.bench import figures, report
+
     print(report.terminal(result, tables=args.tables))
     if args.json:
-        report.write_json(args.json, result, raw=True)  # keeps whatever the file had
+        figures.write_json(args.json, result, raw=raw)
         print(f"\nwrote {args.json}")
     if args.results_md:
-        report.write_markdown(args.results_md, result, result.get("plots") or [])
+        report.write_markdown(args.results_md, result)
         print(f"wrote {args.results_md}")
     return 0
 
 
 def _readme(parser, args) -> int:
-    from fastmq.bench import report
+    from fastmq.bench import figures, readme
 
     if not args.readme:
         parser.print_usage(sys.stderr)
@@ -293,11 +276,11 @@ def _readme(parser, args) -> int:
         return EXIT_USAGE
     try:
         main_path, *more = args.readme
-        result = report.load_results(main_path)
-        block = report.readme_block(result, main_path,
-                                    tuple((report.load_results(p), p) for p in more))
+        result = figures.load_results(main_path)
+        block = readme.block(result, main_path,
+                             tuple((figures.load_results(p), p) for p in more))
         if args.update_readme:
-            changed = report.update_readme(args.update_readme, block)
+            changed = readme.update(args.update_readme, block)
             print(f"{'updated' if changed else 'unchanged'}: {args.update_readme}")
         else:
             print(block)

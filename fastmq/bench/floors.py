@@ -1,30 +1,18 @@
-"""Floors: what the scenarios cost with no queue at all, measured in the
-same run as the queues.
+"""Floors: what the scenarios cost with no queue at all, in the same run.
 
-* ``floor`` in ``step``: the executor round trip over bare shared memory in
-  C (``fastmq._floor``): the writer copies the payload into a shared
-  segment and bumps a sequence word; each reader spins on it, copies the
-  payload out and answers on its own cache line.  With a 100-byte payload
-  this is the cache-line ping-pong between processes.
-* ``floor+pickle`` in ``step``: the step's own floor, what any queue that
-  carries Python objects pays at least: ``floor`` plus ``pickle.dumps`` and
-  ``pickle.loads`` of the step's message and of one reader's answer, timed
-  in the writer's process in the same run (round trip ``i`` of the C floor
-  plus pickling round ``i``).
-* ``floor-memcpy``: one memcpy of the payload, in one process.
-* ``floor`` in ``tensor``: one memcpy into a pre-faulted shared segment plus
-  every reader reading every byte of it (an implementation in impls.py, run
-  through the same harness as the queues).
-* ``floor-futex`` and ``floor-pipe`` in ``wake``: the latency of waking a
-  parked reader after the writer slept as long as it does before each queue
-  sample: in C (reader in ``FUTEX_WAIT``), and in Python (reader blocked in
-  ``os.read`` on a pipe; the writer writes its clock reading after
-  ``time.sleep``).  The Python pipe is the floor for a queue written in
-  Python: same interpreter, same cold caches after the sleep, one syscall
-  on each side.
+* step ``floor``: the round trip over bare shared memory in C
+  (``fastmq._floor``): the writer copies the payload into a segment and
+  bumps a sequence word; each reader copies it out and answers on its own
+  cache line.  ``floor+pickle``, the step's own floor: that plus pickling
+  the message and one answer (what any queue of Python objects pays).
+  ``floor-memcpy``: one memcpy of the payload.
+* tensor ``floor``: in impls.py (one memcpy plus the readers' reads).
+* wake ``floor-futex`` / ``floor-pipe``: waking a reader parked in
+  ``FUTEX_WAIT`` (C), or blocked in ``os.read`` on a pipe (Python, the
+  floor for a queue written in Python), after the writer slept as long as
+  it does before each queue sample.
 
-A floor measured slower than an implementation it bounds is marked in the
-report (it is then not a floor: the machine changed under the run).
+A floor measured slower than a row it bounds is marked in the report.
 """
 from __future__ import annotations
 

@@ -328,35 +328,23 @@ def _on_deadline(signum, frame):
 @contextmanager
 def deadline(seconds: float, what: str):
     """Raise ``BenchError`` in the main thread if the block takes longer than
-    ``seconds``: a watcher thread signals the main thread, which interrupts
-    a blocking socket call (pyzmq and the ring waits check for signals)."""
+    ``seconds`` (a ``Watchdog`` nobody feeds)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.signal(signal.SIGUSR1, _on_deadline)
-    done = threading.Event()
-    _active.update(what=f"{what}: no progress within {seconds:.0f} s", fired=False)
-    main = threading.main_thread().ident
-
-    def watch():
-        if not done.wait(seconds):
-            _active["fired"] = True
-            signal.pthread_kill(main, signal.SIGUSR1)
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
+    w = Watchdog(seconds, f"{what}: no progress")
     try:
         yield
     finally:
-        _active.clear()
-        done.set()
-        t.join()
+        w.stop()
 
 
 class Watchdog:
-    """For writers whose waits have no timeout (a blocking ``recv``): if
-    ``last`` (set before each wait) is older than ``seconds``, interrupt the
-    main thread with ``BenchError`` -- the same signal ``deadline`` uses."""
+    """For waits without a timeout (a blocking ``recv``, the queues'
+    handshakes): if ``last`` (set before each wait) is older than
+    ``seconds``, a watcher thread signals the main thread, whose handler
+    raises ``BenchError`` there; that interrupts a blocking socket call
+    (pyzmq and the ring waits check for signals)."""
 
     def __init__(self, seconds: float, what: str):
         self.last = time.monotonic()

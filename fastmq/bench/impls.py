@@ -1,7 +1,4 @@
-"""The implementations measured side by side, behind one small interface.
-
-Every implementation has a writer end (in the benchmark's main process)
-and a reader end (one per reader process):
+"""The implementations measured side by side, behind one small interface:
 
     writer = impl.make_writer(n_readers, capacity)   # capacity: largest tensor
     reader = impl.open_reader(writer.spec, rank)     # in reader process ``rank``
@@ -10,40 +7,17 @@ and a reader end (one per reader process):
     writer.send(obj, timeout); reader.recv(timeout)  # the broadcast
     reader.reply(obj, timeout); writer.ack(rank, timeout)
 
-Families:
-
-* ``fastmq``: ``fastmq.MessageQueue`` with a given wait mode and the tensor
-  arena on or off; answers on a ``MessageQueue(1, 1)`` per reader.
-* ``vllm``: vLLM 0.33.0's ``MessageQueue`` (arena on or off), when
-  importable.
-* ``pyzmq``: plain pyzmq, the fastest it goes without a shared-memory ring:
-  PUB/SUB for the broadcast (the same pickle-5 frames as the queues, large
-  buffers as separate zero-copy frames), PUSH/PULL for the answers, over
-  ipc, every receive a blocking ``recv``.
-* ``floor``: no queue at all.  For tensors: one memcpy into a pre-faulted
-  shared segment that readers view in place, signalled by a small fastmq
-  message (one copy plus the readers' reads).  The step floor and the two
-  wake floors (C futex, Python pipe) are in floors.py.
-
-Remote variants of both (TCP over loopback, this machine's cores doing
-both ends), in two shapes (``Impl.remote``):
-
-* ``-remote``: every reader of the broadcast is remote
-  (``n_local_reader=0``); each answers on a local 1:1 queue.
-* ``-remote-both``: remote both ways, the shape of vLLM's multi-node
-  executor: the broadcast's readers are remote, and each reader answers on
-  a ``MessageQueue(1, 0, connect_ip=...)`` of its own that the writer
-  attaches as a remote reader (``create_from_handle(handle, -1)``).
-
-fastmq's remote rows differ in the security of the TCP path, set by
-``Impl.remote_kwargs`` (constructor keywords of every remote queue of the
-row): none for the default (a keyed MAC authenticates every message),
-``remote_security="encrypt"`` (``+encrypt``: AES-GCM) and
-``remote_security="none"`` (``+plain``: plain, unauthenticated TCP, what the
-default's cost is measured against).  vLLM's remote path is plain TCP.
-
-``broken-drop`` / ``broken-corrupt`` are fastmq with a deliberate fault
-(selected only by the hidden ``--broken`` option): the run must fail.
+Families: ``fastmq`` (a wait mode, the tensor arena on or off; answers on a
+``MessageQueue(1, 1)`` per reader), ``vllm`` (vLLM 0.33.0's queue),
+``pyzmq`` (PUB/SUB broadcast, PUSH/PULL answers over ipc: the fastest
+without a shared-memory ring) and ``floor`` (tensors: one memcpy into a
+pre-faulted shared segment readers view in place; the other floors are in
+floors.py).  Remote rows go over TCP on loopback, in two shapes:
+``-remote`` (every reader of the broadcast remote) and ``-remote-both``
+(each answer queue's reader, the writer, remote too: vLLM's multi-node
+executor); fastmq's differ in security (``remote_kwargs``: default MAC,
+``+encrypt``, ``+plain``).  ``broken-*``: fastmq with a deliberate fault
+(the hidden ``--broken`` option): the run must fail.
 """
 from __future__ import annotations
 
@@ -74,7 +48,6 @@ class Impl:
     remote: str = ""
     # Keywords for every remote queue of this row (fastmq's security).
     remote_kwargs: dict = field(default_factory=dict)
-    needs_torch: bool = False
 
     # -- properties used by the scenarios -----------------------------------
     @property
@@ -190,19 +163,24 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          "woken by a Python writer that slept as long"),
 ]}
 
-# Which vLLM row each row is compared with: like with like (arena with
-# arena, arena off with arena off, remote with remote of the same shape,
-# whatever fastmq's security).
-VLLM_COUNTERPART = {
-    "fastmq-futex+arena": "vllm+arena", "vllm+arena": "vllm+arena",
-    **{i.name: "vllm" + _SHAPES[i.remote][0] for i in IMPLS.values() if i.remote},
-    # The name of the CURVE row in files written before the security settings.
-    "fastmq-remote+curve": "vllm-remote",
-}
+# The remote rows, in report order, with the vLLM row each is compared with
+# (remote with remote of the same shape, whatever fastmq's security).
+REMOTE_ROWS = {i.name: (None if i.family == "vllm" else "vllm" + _SHAPES[i.remote][0])
+               for i in IMPLS.values() if i.remote}
 
 
-def vllm_counterpart(name: str) -> str:
-    return VLLM_COUNTERPART.get(name, "vllm")
+def remote_notes(names) -> list[str]:
+    """What the remote rows among ``names`` are (a table's notes)."""
+    if not any("-remote" in n for n in names):
+        return []
+    return ["-remote: every reader of the broadcast is a remote reader (TCP over loopback, "
+            "on this machine's cores) and answers on a local 1:1 queue; -remote-both: remote "
+            "both ways, as in vLLM's multi-node executor: each reader answers on a queue of "
+            "its own whose reader (the writer) is remote too.",
+            "security of fastmq's TCP path: fastmq-remote and fastmq-remote-both have the "
+            "default, a keyed MAC authenticating every message; +encrypt: AES-GCM "
+            "encryption; +plain: plain TCP, unauthenticated, the comparison for what the "
+            "default costs. vLLM's remote path is plain TCP."]
 
 
 BROKEN = {
@@ -246,22 +224,15 @@ def availability(impl: Impl) -> tuple[bool, str]:
 
 def _remote_ok(kwargs: dict) -> tuple[bool, str]:
     """Whether this fastmq makes a remote queue with the keywords
-    ``kwargs`` here (a fastmq whose remote path predates a keyword has no
-    row that needs it)."""
+    ``kwargs`` here (an unknown keyword is a TypeError naming it)."""
     try:
-        q = _fastmq_mq()(1, 0, connect_ip=REMOTE_IP, **kwargs)
+        _fastmq_mq()(1, 0, connect_ip=REMOTE_IP, **kwargs).shutdown()
     except Exception as e:
-        # Its constructor takes the arena's options as keywords: an unknown
-        # keyword is a TypeError when the queue is made, not a signature.
         unknown = [k for k in kwargs if isinstance(e, TypeError) and k in str(e)]
         if unknown:
             return False, (f"this fastmq's MessageQueue takes no {'=, '.join(unknown)}= "
                            f"keyword: its remote path has no such setting ({e})")
-        args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
-        return False, (f"MessageQueue(1, 0, connect_ip={REMOTE_IP!r}{args}) fails here: "
-                       f"{type(e).__name__}: {e}")
-    q.shutdown()
-    del q
+        return False, f"a remote MessageQueue fails here: {type(e).__name__}: {e}"
     gc.collect()
     return True, ""
 
@@ -404,13 +375,11 @@ def _ipc_path() -> tuple[str, str]:
 
 
 class _ZmqWriter:
-    """The best a plain pyzmq broadcast does: XPUB (a PUB that also sees the
-    readers' subscriptions, so nothing is sent before every reader listens),
-    a one-frame message sent with one copying ``send`` (no frame objects),
-    large buffers as extra zero-copy frames, and each answer taken with one
-    blocking ``recv``: no poll, and no ``RCVTIMEO`` either (measured: a
-    receive timeout adds about 15 us to the round trip).  The harness's
-    watchdog interrupts a receive that waits too long."""
+    """The best a plain pyzmq broadcast does: XPUB (sees the readers'
+    subscriptions, so nothing is sent before every reader listens), one
+    copying ``send`` per small message, large buffers as zero-copy frames,
+    each answer one blocking ``recv`` (a ``RCVTIMEO`` adds about 15 us to the
+    round trip: the harness's watchdog ends a receive that waits too long)."""
 
     # ReaderGroup runs a watchdog thread for writers whose waits have no
     # timeout of their own.

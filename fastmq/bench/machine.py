@@ -76,10 +76,4 @@ def versions(with_vllm: bool) -> dict:
             out["vllm"] = vllm.__version__
         except Exception:
             out["vllm"] = None
-    try:
-        import matplotlib
-
-        out["matplotlib"] = matplotlib.__version__
-    except ImportError:
-        pass
     return out

@@ -9,7 +9,7 @@ import gc
 import importlib
 import time
 
-from fastmq.bench import impls as impls_mod
+from fastmq.bench import figures, impls as impls_mod, scenario
 from fastmq.bench.config import SCENARIOS
 from fastmq.bench.harness import BenchError, Env
 from fastmq.bench.machine import loadavg, machine, versions
@@ -39,7 +39,7 @@ def skipped(scenarios: list[str]) -> dict[str, str]:
     out = {}
     if not have_torch():
         for s in scenarios:
-            if getattr(_scenario(s), "NEEDS_TORCH", False):
+            if scenario.get(s).needs_torch:
                 out[s] = f"skipped: needs torch, which is not installed ({TORCH_EXTRA})"
     return out
 
@@ -63,7 +63,7 @@ def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
     for s in scenarios:
         if s in skip:
             continue
-        names = [n for n in _scenario(s).IMPLS if wanted is None or n in wanted]
+        names = [n for n in scenario.get(s).impls if wanted is None or n in wanted]
         chosen = [impls_mod.IMPLS[n] for n in names]
         if broken:
             chosen.insert(0, impls_mod.BROKEN[broken])
@@ -121,7 +121,7 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     plan_ = {s: lst for s, lst in plan_.items() if lst}
 
     repeats = params.repeats
-    prog = Progress(repeats * sum(_scenario(s).groups(lst, params)
+    prog = Progress(repeats * sum(len(lst) * len(params.readers.get(s, []))
                                   for s, lst in plan_.items()), enabled=progress)
     runs: list[list[dict]] = []
     seconds: dict = {}
@@ -138,12 +138,10 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     finally:
         prog.clear()
 
-    from fastmq.bench import report
-
     for records in runs:
-        report.annotate(records)
-    records = report.merge(runs)
-    floor_notes = report.check_floors(records)
+        figures.annotate(records)
+    records = figures.merge(runs)
+    floor_notes = figures.check_floors(records)
     load_end = loadavg()
     notes += floor_notes
     notes += _notes(records, params, env, load_start, load_end)
@@ -154,7 +152,7 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     m = machine()
     m["loadavg_start"], m["loadavg_end"] = load_start, load_end
     return {
-        "schema": report.SCHEMA,
+        "schema": figures.SCHEMA,
         "machine": m,
         "versions": versions(with_vllm and any(
             v["available"] for n, v in available.items() if selected[n].family == "vllm")),
@@ -168,18 +166,6 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     }
 
 
-def busy_note(load_start, load_end, cpus: int) -> str | None:
-    """The note for a run that other work competed with, judged by the
-    1-minute load average when it started.  The one at its end is no
-    judge: it is mostly the run's own last minute (the generate scenario
-    runs three vLLM processes on the cores), so it is only reported."""
-    if not load_start or load_start[0] <= 0.5 * cpus:
-        return None
-    return (f"The machine was busy (1-minute load average {load_start[0]} when the run "
-            f"started, {load_end and load_end[0]} at its end, {cpus} cores): other work "
-            "competed for the cores, so these are not final figures.")
-
-
 def _notes(records, params, env, load_start, load_end) -> list[str]:
     notes = []
     cpus = env.usable_cpus
@@ -190,7 +176,7 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
             f"{', '.join(map(str, over))}) have more busy processes (1 writer + N readers) "
             f"than cores, so their figures include waiting for a core. N=1 (TP=1) is the "
             f"clean figure.")
-    busy = busy_note(load_start, load_end, cpus)
+    busy = figures.busy_note(load_start, load_end, cpus)
     if busy:
         notes.append(busy)
     if params.preset == "quick":
@@ -209,9 +195,7 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
         notes.append(f"{', '.join(fake_arena)} ran without a tensor arena: this fastmq build "
                      "has none (enable_shm_tensor_arena had no effect), so it measures the "
                      "same path as fastmq-futex.")
-    from fastmq.bench.report import RATIO_RULE
-
-    notes.append(f"Ratios: {RATIO_RULE}. vs vLLM compares with vLLM on the same path (arena "
+    notes.append(f"Ratios: {scenario.RATIO_RULE}. vs vLLM compares with vLLM on the same path (arena "
                  "with arena, arena off with arena off, remote with remote of the same "
                  "shape); vs floor with the scenario's floor. Warm-up rounds are excluded; "
                  "every reader verifies every message (number and content) and the run "

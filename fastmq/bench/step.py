@@ -12,23 +12,58 @@ from __future__ import annotations
 
 import time
 
-from fastmq.bench import floors
+from fastmq.bench import floors, impls
+from fastmq.bench.config import KiB, fmt_size
 from fastmq.bench.harness import ReaderGroup, receive, sample_loop, summarize
+from fastmq.bench.scenario import Line, Scenario, latency_columns, num
 from fastmq.bench.verify import VerifyError, check_step_payload, expect_seq, step_payload
 
 NAME = "step"
-IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm",
-         # every reader remote, answers local
-         "fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain", "vllm-remote",
-         # remote both ways (vLLM's multi-node executor)
-         "fastmq-remote-both", "fastmq-remote-both+encrypt", "fastmq-remote-both+plain",
-         "vllm-remote-both",
-         "pyzmq", "floor")
+_BOTH = "remote both ways (vLLM's multi-node executor shape)"
 
 
-def groups(impls, params) -> int:
-    floor_memcpy = any(impl.family == "floor" for impl in impls)
-    return len(impls) * len(params.readers[NAME]) + floor_memcpy
+def _notes(rs, records) -> list[str]:
+    names = {r["impl"] for r in rs}
+    mc = [r for r in records if r["impl"] == "floor-memcpy"]
+    return ([f"floor-memcpy (one memcpy of the payload, p50): " + ", ".join(
+                f"{fmt_size(r['size_bytes'])} {num(r['p50'])} us" for r in mc)] if mc else []) \
+        + (["floor: the same round trip over bare shared memory in C (payload copied in, "
+            "each reader copies it out and answers on its own cache line); floor+pickle, "
+            "the step's floor (vs floor): floor plus pickle.dumps and pickle.loads of the "
+            "same message and of one answer, timed in the same run."]
+           if "floor" in names else []) + impls.remote_notes(names)
+
+
+SPEC = Scenario(
+    NAME, "step: executor round trip (1 writer broadcasts, each of N readers answers on its "
+    "own 1:1 queue); microseconds",
+    impls=("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", *impls.REMOTE_ROWS,
+           "pyzmq", "floor"),
+    rows={"fastmq-futex": "vllm", "fastmq-zmq": "vllm", "fastmq-spin": "vllm", "vllm": None,
+          **impls.REMOTE_ROWS, "pyzmq": "vllm", "floor+pickle": "vllm", "floor": "vllm"},
+    columns=latency_columns("us"), floor="floor+pickle", size_header="payload",
+    bounds={"floor+pickle": lambda i: not i.startswith("floor"),
+            "floor": lambda i: not i.startswith("floor")},
+    summary=(Line("step round trip", "fastmq-futex", "vllm", readme=True),
+             Line("step round trip against its floor (pickling + a C round trip)",
+                  "fastmq-futex", "floor+pickle"),
+             Line("step round trip, remote readers (TCP)", "fastmq-remote", "vllm-remote",
+                  readme=True),
+             Line("step round trip, remote readers (TCP), +encrypt", "fastmq-remote+encrypt",
+                  "vllm-remote"),
+             Line("step round trip, remote readers (TCP), +plain", "fastmq-remote+plain",
+                  "vllm-remote"),
+             Line(f"step round trip, {_BOTH}", "fastmq-remote-both", "vllm-remote-both"),
+             Line(f"step round trip, {_BOTH}, +encrypt", "fastmq-remote-both+encrypt",
+                  "vllm-remote-both"),
+             Line(f"step round trip, {_BOTH}, +plain", "fastmq-remote-both+plain",
+                  "vllm-remote-both"),
+             # What the default security costs: against plain TCP, same shape.
+             Line("security cost: fastmq-remote against fastmq-remote+plain, step round "
+                  "trip", "fastmq-remote", "fastmq-remote+plain"),
+             Line("security cost: fastmq-remote-both against fastmq-remote-both+plain, step "
+                  "round trip", "fastmq-remote-both", "fastmq-remote-both+plain")),
+    summary_size=KiB, hidden=("floor-memcpy",), notes=_notes)
 
 
 def run(env, impls, params, progress) -> list[dict]:
@@ -42,7 +77,7 @@ def run(env, impls, params, progress) -> list[dict]:
             with ReaderGroup(env, impl, n, NAME, params) as g:
                 seq = 0
                 for size in params.step_sizes:
-                    progress.detail(_size(size))
+                    progress.detail(fmt_size(size))
                     send, ack = g.send, g.ack
                     readers = range(n)
 
@@ -64,7 +99,7 @@ def run(env, impls, params, progress) -> list[dict]:
                     records.append(record(impl.name, n, size, samples, params.step_warmup,
                                           env.oversubscribed(n)))
     if any(impl.family == "floor" for impl in impls):
-        progress.start("step  floor: one memcpy of the payload")
+        progress.detail("floor: one memcpy of the payload")
         records += floors.memcpy_floor(params.step_sizes)
     return records
 
@@ -90,8 +125,3 @@ def reader_loop(end, rank: int, params):
         reply(("ok", m[1], rank), timeout)
         expect += 1
 
-
-def _size(n: int) -> str:
-    from fastmq.bench.config import fmt_size
-
-    return fmt_size(n)

@@ -12,14 +12,23 @@ import statistics
 import time
 
 from fastmq.bench.harness import ReaderGroup, receive
+from fastmq.bench.scenario import Line, Scenario, rate, ratio
 from fastmq.bench.verify import VerifyError, expect_seq, pattern
 
 NAME = "throughput"
-IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq")
-
-
-def groups(impls, params) -> int:
-    return len(impls) * len(params.readers[NAME])
+SPEC = Scenario(
+    NAME, "throughput: small messages pipelined, 1 writer to N readers; messages per "
+    "second delivered to every reader",
+    impls=("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq"),
+    rows={"fastmq-futex": "vllm", "fastmq-zmq": "vllm", "fastmq-spin": "vllm", "vllm": None,
+          "pyzmq": "vllm"},
+    columns=(("msgs/s", lambda r: rate(r["rate"])),
+             ("min .. max", lambda r: f"{rate(r['rate_min'])} .. {rate(r['rate_max'])}"),
+             ("vs vLLM", lambda r: ratio(r.get("vs_vllm"))),
+             ("messages", lambda r: str(r["messages"]))),
+    size_header="payload", rate=True,
+    summary=(Line("throughput, small messages", "fastmq-futex", "vllm", unit="",
+                  readme=True),))
 
 
 def run(env, impls, params, progress) -> list[dict]:

@@ -19,21 +19,55 @@ import os
 import time
 
 from fastmq.bench.harness import ReaderGroup, receive, summarize
+from fastmq.bench.scenario import Line, Scenario, latency_columns
 from fastmq.bench.verify import VerifyError, expect_seq
 
 NAME = "wake"
-IMPLS = ("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor-futex",
-         "floor-pipe")
+
+
+def _notes(rs, records) -> list[str]:
+    w = next((r for r in rs if not r["impl"].startswith("floor")), None)
+    return ([f"idle before = the implementation's spin phase plus "
+             f"{w['idle_before_s'] - (w['spin_s'] or 0):.3g} s parked (fastmq-spin never "
+             "parks); the floors' writers sleep as long as fastmq-futex's writer; idle CPU % "
+             f"= utime+stime from /proc over {w['cpu_window_s']:.1f} s after the last "
+             "message, % of one core."] if w else []) + \
+        (["floor-futex: a C reader parked in FUTEX_WAIT, the writer in C; floor-pipe: a "
+          "Python reader blocked in os.read() on a pipe, the Python writer writing its "
+          "clock reading after time.sleep(). vs pipe floor = floor-pipe p50 / this p50."]
+         if any(r["impl"].startswith("floor-") for r in rs) else []) + \
+        (["few samples: p99 is close to the maximum; --full takes more."]
+         if any(r["samples"] < 100 for r in rs) else [])
+
+
+_COLS = latency_columns("us", "vs pipe floor")
+SPEC = Scenario(
+    NAME, "wake: one-way latency of one message to readers parked while idle "
+    "(microseconds), and CPU used by an idle reader",
+    impls=("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor-futex",
+           "floor-pipe"),
+    rows={"fastmq-futex": "vllm", "fastmq-zmq": "vllm", "fastmq-spin": "vllm", "vllm": None,
+          "pyzmq": "vllm", "floor-pipe": "vllm", "floor-futex": "vllm"},
+    columns=(("idle before", lambda r: f"{r['idle_before_s']:.3g} s"), *_COLS[:-1],
+             ("idle CPU %", lambda r: "-" if r.get("cpu_pct") is None
+              else f"{r['cpu_pct']:.2f}"), _COLS[-1]),
+    floor="floor-pipe",
+    # A reader that never sleeps (spin) is no parked reader.
+    bounds={"floor-pipe": lambda i: i != "fastmq-spin" and not i.startswith("floor"),
+            "floor-futex": lambda i: i != "fastmq-spin" and i != "floor-futex"},
+    summary=(Line("wake from idle, one-way", "fastmq-futex", "vllm", readme=True),
+             Line("wake from idle against the Python pipe floor", "fastmq-futex",
+                  "floor-pipe"),
+             Line("wake from idle against the C futex floor", "fastmq-futex", "floor-futex"),
+             Line("CPU of an idle reader after its last message", "fastmq-futex", "vllm",
+                  field="cpu_pct", unit="% of a core", readme=True)),
+    notes=_notes)
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def _now() -> int:
     return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-
-
-def groups(impls, params) -> int:
-    return len(impls) * len(params.readers[NAME])
 
 
 def cpu_ticks(pid: int) -> int:

@@ -1,0 +1,144 @@
+"""Records into figures: the ratios, the merging of repeated runs, the floor
+check and the JSON file.
+
+A record is one figure set: ``scenario``, ``impl``, ``n_readers``,
+``size_bytes`` and the statistics (see the scenario modules).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+from fastmq.bench import scenario
+from fastmq.bench.scenario import RATIO_RULE, num, quotient
+
+# The JSON files' format.
+SCHEMA = "fastmq-bench/3"
+
+
+def key(r: dict) -> tuple:
+    return (r["scenario"], r["impl"], r["n_readers"], r["size_bytes"])
+
+
+def annotate(records: list[dict]) -> None:
+    """``vs_vllm``, ``vs_floor`` and the scenario's extra ratios, from the
+    figures themselves (so a ratio printed beside two figures is their
+    quotient)."""
+    idx = {key(r): r for r in records}
+    for r in records:
+        spec = scenario.get(r["scenario"])
+        if r["impl"] in spec.hidden:
+            continue
+
+        def other(impl):
+            return idx.get((r["scenario"], impl, r["n_readers"], r["size_bytes"]))
+
+        v = other(spec.counterpart(r["impl"]) or "")
+        r["vs_vllm"] = quotient(r, v, "p50", spec) if spec.counterpart(r["impl"]) else None
+        r["vs_floor"] = quotient(r, other(spec.floor), "p50", spec) if spec.floor else None
+        for name, field in spec.extra_ratios.items():
+            r[name] = quotient(r, v, field, spec) if spec.counterpart(r["impl"]) else None
+
+
+_SUM = {"samples", "messages", "reps"}
+_MIN = {"min", "rate_min"}
+_MAX = {"max", "rate_max", "cpu_pct_max"}
+_RUNS = ("p50", "rate", "vs_vllm", "vs_floor")
+
+
+def merge(runs: list[list[dict]]) -> list[dict]:
+    """One record per figure from repeated runs: the median of the runs'
+    values with ``<field>_runs`` listing each run's (the spread); counts add
+    up, min/max are over all runs, samples are pooled.  Ratios are then the
+    quotients of the medians (``annotate``), not medians of ratios."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        for r in run:
+            groups.setdefault(key(r), []).append(r)
+    out = []
+    for rs in groups.values():
+        m = dict(rs[0], runs=len(rs))
+        for k, v in rs[0].items():
+            vals = [r.get(k) for r in rs]
+            if k in _SUM:
+                m[k] = sum(vals)
+            elif k in _MIN:
+                m[k] = min(vals)
+            elif k in _MAX and None not in vals:
+                m[k] = max(vals)
+            elif k == "samples_ns":
+                m[k] = [x for r in rs for x in r[k]]
+            elif isinstance(v, float) and None not in vals:
+                m[k] = statistics.median(vals)
+        for k in _RUNS:
+            if k in rs[0]:
+                vals = [r.get(k) for r in rs]
+                m[f"{k}_runs"] = None if None in vals else vals
+        out.append(m)
+    annotate(out)
+    return out
+
+
+def check_floors(records: list[dict]) -> list[str]:
+    """Mark a floor measured slower than a row it bounds (``not_a_floor``)
+    and say so: the machine's load changed under the run."""
+    notes = []
+    for f in records:
+        spec = scenario.get(f["scenario"])
+        bounds = spec.bounds.get(f["impl"])
+        if bounds is None:
+            continue
+        slower_than = sorted(r["impl"] for r in records if key(r)[::2] == key(f)[::2]
+                             and r["size_bytes"] == f["size_bytes"] and r is not f
+                             and bounds(r["impl"]) and r["p50"] < f["p50"])
+        if slower_than:
+            f["not_a_floor"] = slower_than
+            size = f" {spec.size_text(f['size_bytes'])}" if f["size_bytes"] else ""
+            notes.append(
+                f"NOT A FLOOR: {f['impl']} ({f['scenario']}{size}, N={f['n_readers']}) measured {num(f['p50'])} {f['unit']}, slower than "
+                f"{', '.join(slower_than)}: the machine's load changed during the run (the "
+                "floor does a subset of their work). Rerun on a quiet machine.")
+    return notes
+
+
+def busy_note(load_start, load_end, cpus: int) -> str | None:
+    """The note for a run other work competed with, judged by the 1-minute
+    load average when it started (the one at its end is mostly the run's
+    own last minute, so it is only reported)."""
+    if not load_start or load_start[0] <= 0.5 * cpus:
+        return None
+    return (f"The machine was busy (1-minute load average {load_start[0]} when the run "
+            f"started, {load_end and load_end[0]} at its end, {cpus} cores): other work "
+            "competed for the cores, so these are not final figures.")
+
+
+def load_results(path: str) -> dict:
+    """A JSON file written by ``--json``, its ratios and busy-machine note
+    derived again under today's rules."""
+    with open(path) as f:
+        result = json.load(f)
+    if not isinstance(result.get("records"), list) or result.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not a {SCHEMA} JSON file")
+    annotate(result["records"])
+    m = result.get("machine", {})
+    notes = [n for n in result.get("notes", []) if not n.startswith("The machine was busy")]
+    busy = busy_note(m.get("loadavg_start"), m.get("loadavg_end"), m.get("usable_cpus") or 1)
+    result["notes"] = ([busy] if busy else []) + notes
+    return result
+
+
+def write_json(path: str, result: dict, raw: bool) -> None:
+    out = dict(result)
+    if not raw:
+        out["records"] = [{k: v for k, v in r.items() if k != "samples_ns"}
+                          for r in result["records"]]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f, indent=1, allow_nan=False)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+__all__ = ["RATIO_RULE", "SCHEMA", "annotate", "merge", "check_floors", "busy_note",
+           "load_results", "write_json"]
