@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from fastmq.bench.config import fmt_size
-from fastmq.bench.harness import BenchError, _on_sigterm, summarize
+from fastmq.bench.harness import BenchError, _on_sigterm, stop_processes, summarize
 from fastmq.bench.verify import pattern, step_payload
 
 MEMCPY_WARMUP = 20
@@ -80,18 +80,6 @@ def _expect(conn, rank: int, what: str, timeout: float) -> None:
         raise BenchError(f"floor: reader {rank}: {msg[1] if len(msg) > 1 else msg}")
 
 
-def _stop(procs, conns) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-        p.join(5)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    for c in conns:
-        c.close()
-
-
 @contextmanager
 def _readers(env, n: int, what: str, timeout_s: float, start, stop=None):
     """``n`` reader processes (``start(rank, conn) -> Process``), ready; on a
@@ -120,7 +108,9 @@ def _readers(env, n: int, what: str, timeout_s: float, start, stop=None):
                 raise BenchError(f"{what}: reader {rank} did not exit cleanly "
                                  f"(exit code {p.exitcode})")
     finally:
-        _stop(procs, conns)
+        stop_processes(procs)
+        for c in conns:
+            c.close()
 
 
 @contextmanager
