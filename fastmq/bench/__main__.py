@@ -18,17 +18,69 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+_DESCRIPTION = (
+    "Measure fastmq against vLLM 0.33.0's MessageQueue, plain pyzmq and the hardware floors, "
+    "side by side in one run. Scenarios: step (executor round trip), throughput (small "
+    "messages, pipelined), tensor (large CPU tensors, every byte read), wake (latency from "
+    "idle, idle CPU); executor and generate (vLLM's executor and real token generation, on "
+    "request). Every ratio is the reference's time / this row's time: above 1x, faster than "
+    "the reference.")
+_LIST = "NAME[,NAME]"
+# (flag, argparse keywords): the options after the --quick/--full presets.
+_OPTIONS = (
+    ("names", dict(nargs="*", metavar="SCENARIO",
+                   help="scenarios to run, as with --scenario (fastmq-bench generate)")),
+    ("--scenario", dict(action="append", metavar=_LIST, help="scenarios to run: "
+                        f"{', '.join(config.SCENARIOS)} or all (default all)")),
+    ("--readers", dict(metavar="N[,N]",
+                       help="reader counts for every scenario (default: preset's, e.g. 1,2)")),
+    ("--impl", dict(metavar=_LIST,
+                    help="only these implementations (see --list; default all available)")),
+    ("--sizes", dict(metavar="SIZE[,SIZE]", help="step payload sizes, e.g. 100,1K,64K,1M")),
+    ("--tensor-sizes", dict(metavar="SIZE[,SIZE]", help="tensor sizes, e.g. 16M,128M,256M")),
+    ("--tensor-reps", dict(type=int, metavar="K", help="tensor: counted messages per size "
+                           "and reader count (full: 5)")),
+    ("--idle-window", dict(type=float, metavar="SECONDS", help="wake: idle-CPU window after "
+                           "the last message (full: 5 s)")),
+    ("--wake-gap", dict(type=float, metavar="SECONDS", help="wake: how long readers stay "
+                        "parked before each message (0.1 s)")),
+    ("--repeat", dict(type=int, metavar="R", help="run everything R times in turn; each "
+                      "figure is the median of the R runs, with their spread (full: 3)")),
+    ("--json", dict(metavar="PATH", help="write every figure and machine details")),
+    ("--raw", dict(action="store_true", help="include every sample in the JSON")),
+    ("--results-md", dict(metavar="PATH", help="write a Markdown report (bench/RESULTS.md)")),
+    ("--link-rate", dict(metavar="RATE", help="run in a network namespace of its own whose "
+                         "loopback is shaped to RATE (e.g. 25gbit): the remote (TCP) paths as "
+                         "over a link slower than memory, as between nodes (root, iproute2)")),
+    ("--timeout", dict(type=float, metavar="SECONDS", help="give up on any blocking "
+                       "operation after this long (default 60)")),
+    ("--start-method", dict(choices=("forkserver", "spawn"), default="forkserver",
+                            help="how reader processes start (default forkserver: imports "
+                                 "once)")),
+    ("--no-progress", dict(action="store_true", help="no progress display")),
+    ("--tables", dict(action="store_true", help="print every scenario's full table too, not "
+                      "only the summary (--results-md always writes them)")),
+    ("--list", dict(action="store_true", help="list the implementations and whether they run "
+                    "here, then exit")),
+    ("--from-json", dict(metavar="JSON", help="measure nothing: print (and write with --json "
+                         "/ --results-md) the report of the run saved in JSON")),
+    ("--readme", dict(metavar="JSON", action="append", help="print the README's figures "
+                      "block generated from JSON (a file written by --json, e.g. "
+                      "bench/results.json; again for runs over a shaped link, whose figures "
+                      "follow), then exit")),
+    ("--update-readme", dict(metavar="README", help="with --readme: replace the generated "
+                             "block in README instead of printing it")),
+    # Proves that a run losing or corrupting a message fails instead of reporting a time.
+    ("--broken", dict(choices=("drop", "corrupt"), help=argparse.SUPPRESS)),
+)
+# Numeric options: (option, Params field, lowest, highest or None).
+_BOUNDS = (("tensor_reps", "tensor_reps", 1, 1000), ("repeat", "repeats", 1, 100),
+           ("idle_window", "idle_window_s", 0.05, None), ("wake_gap", "wake_gap_s", 0.0, None),
+           ("timeout", "timeout_s", 1.0, None))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="fastmq-bench",
-        description="Measure fastmq against vLLM 0.33.0's MessageQueue, plain pyzmq and "
-                    "the hardware floors, side by side in one run. Scenarios: step "
-                    "(executor round trip), throughput (small messages, pipelined), "
-                    "tensor (large CPU tensors, every byte read), wake (latency from "
-                    "idle, idle CPU); executor and generate (vLLM's executor and real token "
-                    "generation, on request). Every ratio is the reference's time / this row's "
-                    "time: above 1x, faster than the reference.",
-    )
+    p = argparse.ArgumentParser(prog="fastmq-bench", description=_DESCRIPTION)
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true",
                         help="smoke run: every scenario and implementation once, few "
@@ -36,58 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     preset.add_argument("--full", action="store_true",
                         help="every figure, each the median of 3 runs: N=1,2,4, payloads "
                              "100 B to 1 MiB, tensors 16/64/256 MiB, a 5 s idle window")
-    p.add_argument("names", nargs="*", metavar="SCENARIO",
-                   help="scenarios to run, as with --scenario (fastmq-bench generate)")
-    p.add_argument("--scenario", action="append", metavar="NAME[,NAME]",
-                   help=f"scenarios to run: {', '.join(config.SCENARIOS)} or all (default all)")
-    p.add_argument("--readers", metavar="N[,N]",
-                   help="reader counts for every scenario (default: preset's, e.g. 1,2)")
-    p.add_argument("--impl", metavar="NAME[,NAME]",
-                   help="only these implementations (see --list; default all available)")
-    p.add_argument("--sizes", metavar="SIZE[,SIZE]",
-                   help="step payload sizes, e.g. 100,1K,64K,1M")
-    p.add_argument("--tensor-sizes", metavar="SIZE[,SIZE]",
-                   help="tensor sizes, e.g. 16M,128M,256M")
-    p.add_argument("--tensor-reps", type=int, metavar="K",
-                   help="tensor: counted messages per size and reader count (full: 5)")
-    p.add_argument("--idle-window", type=float, metavar="SECONDS",
-                   help="wake: idle-CPU window after the last message (full: 5 s)")
-    p.add_argument("--wake-gap", type=float, metavar="SECONDS",
-                   help="wake: how long readers stay parked before each message (0.1 s)")
-    p.add_argument("--repeat", type=int, metavar="R",
-                   help="run everything R times in turn; each figure is the median of "
-                        "the R runs, with their spread (full: 3)")
-    p.add_argument("--json", metavar="PATH", help="write every figure and machine details")
-    p.add_argument("--raw", action="store_true", help="include every sample in the JSON")
-    p.add_argument("--results-md", metavar="PATH",
-                   help="write a Markdown report (bench/RESULTS.md)")
-    p.add_argument("--link-rate", metavar="RATE",
-                   help="run in a network namespace of its own whose loopback is shaped to "
-                        "RATE (e.g. 25gbit): the remote (TCP) paths as over a link slower "
-                        "than memory, as between nodes (root, iproute2)")
-    p.add_argument("--timeout", type=float, metavar="SECONDS",
-                   help="give up on any blocking operation after this long (default 60)")
-    p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
-                   help="how reader processes start (default forkserver: imports once)")
-    p.add_argument("--no-progress", action="store_true", help="no progress display")
-    p.add_argument("--tables", action="store_true",
-                   help="print every scenario's full table too, not only the summary "
-                        "(--results-md always writes them)")
-    p.add_argument("--list", action="store_true",
-                   help="list the implementations and whether they run here, then exit")
-    p.add_argument("--from-json", metavar="JSON",
-                   help="measure nothing: print (and write with --json / --results-md) the "
-                        "report of the run saved in JSON")
-    p.add_argument("--readme", metavar="JSON", action="append",
-                   help="print the README's figures block generated from JSON (a file "
-                        "written by --json, e.g. bench/results.json; again for runs over "
-                        "a shaped link, whose figures follow), then exit")
-    p.add_argument("--update-readme", metavar="README",
-                   help="with --readme: replace the generated block in README instead "
-                        "of printing it")
-    # Test only: add an implementation that loses or corrupts a message, to
-    # prove that such a run fails instead of reporting a time.
-    p.add_argument("--broken", choices=("drop", "corrupt"), help=argparse.SUPPRESS)
+    for flag, kw in _OPTIONS:
+        p.add_argument(flag, **kw)
     return p
 
 
@@ -129,20 +131,14 @@ def params_from_args(args) -> tuple[config.Params, list[str]]:
             raise ValueError("--tensor-sizes: tensors must be at least 16 bytes, "
                              "a multiple of 8")
         kw["tensor_sizes"] = sizes
-    if args.tensor_reps is not None:
-        if not 1 <= args.tensor_reps <= 1000:
-            raise ValueError("--tensor-reps must be in 1..1000")
-        kw["tensor_reps"] = args.tensor_reps
-    if args.repeat is not None:
-        if not 1 <= args.repeat <= 100:
-            raise ValueError("--repeat must be in 1..100")
-        kw["repeats"] = args.repeat
-    for flag, field, low in (("idle_window", "idle_window_s", 0.05),
-                             ("wake_gap", "wake_gap_s", 0.0), ("timeout", "timeout_s", 1.0)):
+    for flag, field, low, high in _BOUNDS:
         value = getattr(args, flag)
         if value is not None:
+            name = "--" + flag.replace("_", "-")
+            if high is not None and not low <= value <= high:
+                raise ValueError(f"{name} must be in {low}..{high}")
             if not value >= low:
-                raise ValueError(f"--{flag.replace('_', '-')} must be at least {low}")
+                raise ValueError(f"{name} must be at least {low}")
             kw[field] = value
     return params.replace(**kw), scenarios
 
@@ -153,8 +149,7 @@ def command_line(argv: list[str], from_module: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command; with ``argv`` None (run as a program) the process exits
-    here, see ``_exit_quietly``."""
+    """The command; with ``argv`` None (run as a program) the process exits here."""
     if argv is not None:
         return _main(argv, from_module=False)
     rc = _main(sys.argv[1:], from_module=sys.argv[0].endswith("__main__.py"))
@@ -163,11 +158,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_quietly(rc: int) -> None:
-    """Exit after the exit handlers (multiprocessing's, fastmq's segment
-    finalizers, logging's) but without the interpreter's teardown of every
-    module: at that teardown, modules vLLM imports (triton's nanobind
-    bindings) print dozens of lines about objects of theirs still alive,
-    below our report, about nothing this command did."""
+    """Exit after the exit handlers but without the interpreter's module
+    teardown, where triton's bindings (imported by vLLM) print dozens of
+    lines about nothing this command did."""
     import atexit
 
     atexit._run_exitfuncs()
@@ -187,21 +180,16 @@ def _main(argv: list[str], from_module: bool) -> int:
         params, scenarios = params_from_args(args)
         rate = link.parse_rate(args.link_rate) if args.link_rate else None
     except ValueError as e:
-        parser.print_usage(sys.stderr)
-        print(f"fastmq-bench: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(e, parser)
     if rate and link.inside() != rate:
         # The run itself happens in a child that has the namespace.
         try:
             return link.enter(rate, argv)
         except RuntimeError as e:
-            print(f"fastmq-bench: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-    # vLLM logs at INFO to stdout on import; keep the table readable (the
-    # forkserver and readers inherit this).
+            return _error(e)
+    # vLLM logs at INFO to stdout on import (the readers inherit this).
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # The baseline must be vLLM's own MessageQueue: keep fastmq's vLLM import
-    # hook (installed by the .pth) out of this process and its children.
+    # The baseline must be vLLM's own MessageQueue, not fastmq's .pth hook.
     os.environ["FASTMQ_VLLM"] = "0"
 
     from fastmq.bench import runner
@@ -209,8 +197,7 @@ def _main(argv: list[str], from_module: bool) -> int:
     try:
         plan = runner.plan(scenarios, args.impl, args.broken)
     except ValueError as e:
-        print(f"fastmq-bench: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(e)
     if args.list:
         print(runner.describe(plan, scenarios))
         return 0
@@ -248,8 +235,7 @@ def _render(args, argv, from_module) -> int:
     try:
         result = figures.load_results(args.from_json)
     except (OSError, ValueError) as e:
-        print(f"fastmq-bench: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(e)
     result["rendered_by"] = command_line(argv, from_module)
     return _write(args, result, raw=True)  # keeps whatever the file had
 
@@ -271,9 +257,7 @@ def _readme(parser, args) -> int:
     from fastmq.bench import figures, readme
 
     if not args.readme:
-        parser.print_usage(sys.stderr)
-        print("fastmq-bench: error: --update-readme needs --readme JSON", file=sys.stderr)
-        return EXIT_USAGE
+        return _error("--update-readme needs --readme JSON", parser)
     try:
         main_path, *more = args.readme
         result = figures.load_results(main_path)
@@ -285,9 +269,15 @@ def _readme(parser, args) -> int:
         else:
             print(block)
     except (OSError, ValueError, KeyError) as e:
-        print(f"fastmq-bench: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(e)
     return 0
+
+
+def _error(e, parser=None) -> int:
+    if parser is not None:
+        parser.print_usage(sys.stderr)
+    print(f"fastmq-bench: error: {e}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

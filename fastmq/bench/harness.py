@@ -1,18 +1,10 @@
-"""Reader processes and the writer's side of one measured run.
-
-The rules that keep a figure honest live here:
-
-* readers are forked from a clean forkserver that has imported torch, fastmq
-  (and vLLM when it is measured) once, so starting a reader costs
-  milliseconds and no reader inherits the writer's sockets or segments;
-* writer and readers finish the implementation's own handshake before
-  anything is timed; warm-up rounds are never counted;
-* every blocking call has a timeout, and a reader that fails (including a
-  verification failure: a lost, stale or corrupted message) answers with an
-  error instead of an acknowledgement, so the run stops with that reader's
-  message instead of reporting a time;
-* every reader is stopped through the queue itself and joined with a
-  timeout; one that does not exit fails the run.
+"""Reader processes and the writer's side of one measured run, under the
+rules that keep a figure honest: readers come from a clean forkserver (no
+inherited sockets or segments); nothing is timed before the handshake or
+during warm-up; every blocking call has a timeout; a reader that fails
+(a lost, stale or corrupted message included) answers with its error, so
+the run stops instead of reporting a time; readers stop through the queue
+itself and must exit.
 """
 from __future__ import annotations
 
@@ -59,8 +51,19 @@ class Env:
 
 
 def _describe(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return text
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def stop_processes(procs) -> None:
+    """SIGTERM first, so readers clean up; then SIGKILL."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def _on_sigterm(signum, frame):
@@ -145,7 +148,6 @@ class ReaderGroup:
     def where(self) -> str:
         return f"{self.impl.name} ({self.scenario}, N={self.n})"
 
-    # -- lifecycle ------------------------------------------------------------
     def __enter__(self) -> "ReaderGroup":
         try:
             self._start()
@@ -239,20 +241,12 @@ class ReaderGroup:
             self._abort()
 
     def _abort(self) -> None:
-        """Stop whatever still runs (SIGTERM first, so readers clean up),
-        join every reader, close the writer."""
+        """Stop whatever still runs, join every reader, close the writer."""
         # A reader that failed is exiting on its own: let it finish cleaning up.
         end = time.monotonic() + 2.0
         for p in self.procs:
             p.join(max(0.0, end - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        stop_processes(self.procs)
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
@@ -263,7 +257,6 @@ class ReaderGroup:
             writer, self.writer = self.writer, None
             writer.close()
 
-    # -- the measured operations ---------------------------------------------
     def send(self, obj) -> None:
         if obj is not None:
             self.sent += 1

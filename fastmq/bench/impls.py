@@ -7,17 +7,11 @@
     writer.send(obj, timeout); reader.recv(timeout)  # the broadcast
     reader.reply(obj, timeout); writer.ack(rank, timeout)
 
-Families: ``fastmq`` (a wait mode, the tensor arena on or off; answers on a
-``MessageQueue(1, 1)`` per reader), ``vllm`` (vLLM 0.33.0's queue),
-``pyzmq`` (PUB/SUB broadcast, PUSH/PULL answers over ipc: the fastest
-without a shared-memory ring) and ``floor`` (tensors: one memcpy into a
-pre-faulted shared segment readers view in place; the other floors are in
-floors.py).  Remote rows go over TCP on loopback, in two shapes:
-``-remote`` (every reader of the broadcast remote) and ``-remote-both``
-(each answer queue's reader, the writer, remote too: vLLM's multi-node
-executor); fastmq's differ in security (``remote_kwargs``: default MAC,
-``+encrypt``, ``+plain``).  ``broken-*``: fastmq with a deliberate fault
-(the hidden ``--broken`` option): the run must fail.
+Families: ``fastmq``, ``vllm`` (0.33.0), ``pyzmq`` (the fastest without a
+shared-memory ring) and ``floor`` (tensors; the other floors are in
+floors.py).  Remote rows go over TCP on loopback: ``-remote`` (every reader)
+or ``-remote-both`` (the answer queues too: vLLM's multi-node executor).
+``broken-*`` (hidden ``--broken``) carry a deliberate fault: the run must fail.
 """
 from __future__ import annotations
 
@@ -29,10 +23,9 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 
-# Message (1-based, counting from the first one sent) that a broken
-# implementation loses or corrupts: early, inside the warm-up, so the run
-# fails fast.
+# Early, inside the warm-up, so a broken run fails fast.
 BROKEN_AT = 3
+REMOTE_IP = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -43,13 +36,9 @@ class Impl:
     wait_mode: str | None = None
     arena: bool | None = None
     broken: str | None = None   # drop | corrupt (test-only)
-    # "": local; "readers": every reader of the broadcast attaches over TCP
-    # (loopback); "both": the answer queues' reader (the writer) too.
-    remote: str = ""
-    # Keywords for every remote queue of this row (fastmq's security).
-    remote_kwargs: dict = field(default_factory=dict)
+    remote: str = ""            # "" | "readers" | "both"
+    remote_kwargs: dict = field(default_factory=dict)  # fastmq's security
 
-    # -- properties used by the scenarios -----------------------------------
     @property
     def spin_s(self) -> float | None:
         """How long an idle reader spins before it parks (None: never parks)."""
@@ -66,11 +55,14 @@ class Impl:
                          .parameters["busy_loop_s"].default)
         return 0.0
 
-    # -- ends ------------------------------------------------------------------
+    def _kwargs(self, arena) -> dict:
+        # Explicit (fastmq turns the arena on for local queues): answer
+        # queues never carry tensors.
+        return {"wait_mode": self.wait_mode or "futex", "enable_shm_tensor_arena": bool(arena)}
+
     def make_writer(self, n_readers: int, capacity: int = 0):
         if self.family == "fastmq":
-            cls = _BrokenWriter if self.broken else _QueueWriter
-            return cls(self, _fastmq_mq(), n_readers, self._fastmq_kwargs(self.arena))
+            return _QueueWriter(self, _fastmq_mq(), n_readers, self._kwargs(self.arena))
         if self.family == "vllm":
             kw = {} if self.remote else {"enable_shm_tensor_arena": bool(self.arena)}
             return _QueueWriter(self, _vllm_mq(), n_readers, kw)
@@ -81,21 +73,15 @@ class Impl:
         raise ValueError(f"unknown implementation family {self.family!r}")
 
     def open_reader(self, spec, rank: int):
-        if self.family == "fastmq":
-            return _QueueReader(self, _fastmq_mq(), spec, rank, self._fastmq_kwargs(False))
-        if self.family == "vllm":
-            return _QueueReader(self, _vllm_mq(), spec, rank, {})
         if self.family == "pyzmq":
             return _ZmqReader(spec, rank)
         if self.family == "floor":
-            return _FloorReader(spec, rank)
+            return _FloorReader(self, spec, rank)
+        if self.family in ("fastmq", "vllm"):
+            fastmq = self.family == "fastmq"
+            return _QueueReader(self, _fastmq_mq() if fastmq else _vllm_mq(), spec, rank,
+                                self._kwargs(False) if fastmq else {})
         raise ValueError(f"unknown implementation family {self.family!r}")
-
-    def _fastmq_kwargs(self, arena: bool | None) -> dict:
-        # The arena is switched explicitly (on by default in fastmq for
-        # local-only queues): the 1:1 answer queues never carry tensors.
-        return {"wait_mode": self.wait_mode or "futex",
-                "enable_shm_tensor_arena": bool(arena)}
 
 
 def _fastmq_mq():
@@ -108,15 +94,12 @@ def _vllm_mq():
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
     if not MessageQueue.__module__.startswith("vllm."):
-        # fastmq's vLLM hook swapped it in: measuring it would compare
-        # fastmq with itself.
+        # fastmq's vLLM hook swapped it in: we would compare fastmq with itself.
         raise RuntimeError(
             "vLLM's MessageQueue is replaced by fastmq in this process "
             f"({MessageQueue.__module__}); run the benchmark with FASTMQ_VLLM=0")
     return MessageQueue
 
-
-REMOTE_IP = "127.0.0.1"
 
 _SHAPES = {"readers": ("-remote", "every reader remote (TCP over loopback)"),
            "both": ("-remote-both", "remote both ways (TCP over loopback): every reader "
@@ -125,24 +108,11 @@ _SHAPES = {"readers": ("-remote", "every reader remote (TCP over loopback)"),
 _SECURITY = (("", {}, "default security: a keyed MAC on every message"),
              ("+encrypt", {"remote_security": "encrypt"}, "AES-GCM encryption"),
              ("+plain", {"remote_security": "none"}, "plain TCP, unauthenticated"))
+_FUTEX = {"wait_mode": "futex", "arena": False}
 
-
-def _remote_impls() -> list[Impl]:
-    out = []
-    for shape, (suffix, what) in _SHAPES.items():
-        for tag, kwargs, security in _SECURITY:
-            out.append(Impl(f"fastmq{suffix}{tag}", "fastmq", f"fastmq, {what}; {security}",
-                            wait_mode="futex", arena=False, remote=shape,
-                            remote_kwargs=kwargs))
-        out.append(Impl(f"vllm{suffix}", "vllm", f"vLLM 0.33.0 MessageQueue, {what}",
-                        arena=False, remote=shape))
-    return out
-
-
-# The registry: what each name means.  Scenarios pick from it.
 IMPLS: dict[str, Impl] = {i.name: i for i in [
     Impl("fastmq-futex", "fastmq", "fastmq, readers spin briefly then park on a futex",
-         wait_mode="futex", arena=False),
+         **_FUTEX),
     Impl("fastmq-zmq", "fastmq", "fastmq, readers spin briefly then park on a ZMQ socket",
          wait_mode="zmq", arena=False),
     Impl("fastmq-spin", "fastmq", "fastmq, readers spin (never park)",
@@ -153,7 +123,11 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          arena=False),
     Impl("vllm+arena", "vllm", "vLLM 0.33.0 MessageQueue with enable_shm_tensor_arena=True",
          arena=True),
-    *_remote_impls(),
+    *[i for shape, (suffix, what) in _SHAPES.items() for i in [
+        *[Impl(f"fastmq{suffix}{tag}", "fastmq", f"fastmq, {what}; {security}", **_FUTEX,
+               remote=shape, remote_kwargs=kwargs) for tag, kwargs, security in _SECURITY],
+        Impl(f"vllm{suffix}", "vllm", f"vLLM 0.33.0 MessageQueue, {what}", arena=False,
+             remote=shape)]],
     Impl("pyzmq", "pyzmq", "plain pyzmq: PUB/SUB broadcast, PUSH/PULL answers, ipc, "
          "blocking recv"),
     Impl("floor", "floor", "floor: bare shared memory, no queue (see the notes)"),
@@ -163,10 +137,13 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
          "woken by a Python writer that slept as long"),
 ]}
 
-# The remote rows, in report order, with the vLLM row each is compared with
-# (remote with remote of the same shape, whatever fastmq's security).
+# Each remote row's vLLM reference: remote of the same shape, whatever the security.
 REMOTE_ROWS = {i.name: (None if i.family == "vllm" else "vllm" + _SHAPES[i.remote][0])
                for i in IMPLS.values() if i.remote}
+
+BROKEN = {b: Impl(f"broken-{b}", "fastmq", f"TEST ONLY: fastmq that {what} a message",
+                  **_FUTEX, broken=b) for b, what in (("drop", "loses"),
+                                                      ("corrupt", "corrupts"))}
 
 
 def remote_notes(names) -> list[str]:
@@ -183,16 +160,10 @@ def remote_notes(names) -> list[str]:
             "default costs. vLLM's remote path is plain TCP."]
 
 
-BROKEN = {
-    "drop": Impl("broken-drop", "fastmq", "TEST ONLY: fastmq that loses a message",
-                 wait_mode="futex", arena=False, broken="drop"),
-    "corrupt": Impl("broken-corrupt", "fastmq", "TEST ONLY: fastmq that corrupts a message",
-                    wait_mode="futex", arena=False, broken="corrupt"),
-}
-
-
 def availability(impl: Impl) -> tuple[bool, str]:
     """(usable here, why not)."""
+    from fastmq._ring import have_futex
+
     if impl.family == "vllm":
         try:
             _vllm_mq()
@@ -205,62 +176,53 @@ def availability(impl: Impl) -> tuple[bool, str]:
         except ImportError as e:
             return False, (f"the C floor is not built ({e}): run `python setup.py "
                            "build_ext --inplace` or reinstall fastmq")
-    if impl.name == "floor-futex":
-        from fastmq._ring import have_futex
-
-        if not have_futex():
-            return False, "no futex support on this system"
     if impl.family == "fastmq" and impl.remote:
-        ok, why = _remote_ok(impl.remote_kwargs)
-        if not ok:
-            return False, why
-    if impl.wait_mode == "futex" and not impl.remote:
-        from fastmq._ring import have_futex
-
-        if not have_futex():
-            return False, "no futex support on this system"
+        try:
+            _fastmq_mq()(1, 0, connect_ip=REMOTE_IP, **impl.remote_kwargs).shutdown()
+        except Exception as e:  # an unknown keyword is a TypeError naming it
+            unknown = [k for k in impl.remote_kwargs if isinstance(e, TypeError) and k in str(e)]
+            if unknown:
+                return False, (f"this fastmq's MessageQueue takes no {'=, '.join(unknown)}= "
+                               f"keyword: its remote path has no such setting ({e})")
+            return False, f"a remote MessageQueue fails here: {type(e).__name__}: {e}"
+        gc.collect()
+    if ((impl.name == "floor-futex" or (impl.wait_mode == "futex" and not impl.remote))
+            and not have_futex()):
+        return False, "no futex support on this system"
     return True, ""
 
 
-def _remote_ok(kwargs: dict) -> tuple[bool, str]:
-    """Whether this fastmq makes a remote queue with the keywords
-    ``kwargs`` here (an unknown keyword is a TypeError naming it)."""
-    try:
-        _fastmq_mq()(1, 0, connect_ip=REMOTE_IP, **kwargs).shutdown()
-    except Exception as e:
-        unknown = [k for k in kwargs if isinstance(e, TypeError) and k in str(e)]
-        if unknown:
-            return False, (f"this fastmq's MessageQueue takes no {'=, '.join(unknown)}= "
-                           f"keyword: its remote path has no such setting ({e})")
-        return False, f"a remote MessageQueue fails here: {type(e).__name__}: {e}"
+def _shutdown(*queues) -> None:
+    for q in queues:
+        try:
+            q.shutdown()
+        except Exception:
+            pass
     gc.collect()
-    return True, ""
 
-
-# ---------------------------------------------------------------------------
-# MessageQueue (fastmq and vLLM share the surface)
 
 class _QueueWriter:
+    """A MessageQueue (fastmq's and vLLM's share the surface)."""
+
+    _count = 0
+
     def __init__(self, impl: Impl, mq_cls, n_readers: int, kwargs: dict):
         self.impl = impl
         self._cls = mq_cls
         if impl.remote:
-            # Every reader remote, over loopback: the TCP path a reader on
-            # another node takes, with this machine's CPUs doing both ends.
             self._mq = mq_cls(n_readers, 0, connect_ip=REMOTE_IP, **kwargs,
                               **impl.remote_kwargs)
         else:
             self._mq = mq_cls(n_readers, n_readers, **kwargs)
         self.spec = self._mq.export_handle()
-        # Whether the queue really has a tensor arena (fastmq builds without
-        # one ignore the switch).
+        # fastmq builds without an arena ignore the switch.
         self.arena_active = getattr(self._mq, "tensor_arena", None) is not None
         self._acks: list = []
+        self._ack_specs: list = []
 
     def attach_acks(self, specs: list) -> None:
         self._ack_specs = list(specs)
-        # Remote both ways: the writer reads each answer queue as a remote
-        # reader, the way vLLM's executor attaches to a remote worker's.
+        # Remote both ways: attach as a remote reader, as vLLM's executor does.
         rank = -1 if self.impl.remote == "both" else 0
         self._acks = [self._cls.create_from_handle(h, rank) for h in specs]
 
@@ -270,26 +232,26 @@ class _QueueWriter:
             a.wait_until_ready()
 
     def send(self, obj, timeout: float) -> None:
+        if self.impl.broken and obj is not None:  # the stop message always goes through
+            self._count += 1
+            if self._count == BROKEN_AT:
+                if self.impl.broken == "drop":
+                    return
+                obj = _corrupt(obj)
         self._mq.enqueue(obj, timeout=timeout)
 
     def ack(self, rank: int, timeout: float):
         return self._acks[rank].dequeue(timeout=timeout)
 
     def close(self) -> None:
-        for q in [self._mq, *self._acks]:
-            try:
-                q.shutdown()
-            except Exception:
-                pass
-        # Both implementations release (and, as creator, unlink) their
-        # segments and sockets when the queue objects are collected.
+        # Collecting the queues releases (and, as creator, unlinks) their segments.
+        _shutdown(self._mq, *self._acks)
         self._mq = None
         self._acks = []
         gc.collect()
         if self.impl.family == "vllm":
-            # vLLM leaves its ipc socket files behind; by now every socket
-            # on them (ours, and the reader processes' answer queues) is closed.
-            for h in [self.spec, *getattr(self, "_ack_specs", [])]:
+            # vLLM leaves its ipc socket files behind, every socket on them closed by now.
+            for h in [self.spec, *self._ack_specs]:
                 for addr in (h.local_subscribe_addr, h.local_notify_addr):
                     if addr and addr.startswith("ipc://"):
                         try:
@@ -301,9 +263,7 @@ class _QueueWriter:
 class _QueueReader:
     def __init__(self, impl: Impl, mq_cls, spec, rank: int, ack_kwargs: dict):
         self._mq = mq_cls.create_from_handle(spec, rank)
-        if impl.remote == "both":
-            # A remote worker's answer queue: its one reader (the writer
-            # here) is on another node.
+        if impl.remote == "both":  # a remote worker's answer queue
             self._resp = mq_cls(1, 0, connect_ip=REMOTE_IP, **ack_kwargs,
                                 **impl.remote_kwargs)
         else:
@@ -321,28 +281,9 @@ class _QueueReader:
         self._resp.enqueue(obj, timeout=timeout)
 
     def close(self) -> None:
-        for q in (self._mq, self._resp):
-            try:
-                q.shutdown()
-            except Exception:
-                pass
+        _shutdown(self._mq, self._resp)
         self._mq = self._resp = None
         gc.collect()
-
-
-class _BrokenWriter(_QueueWriter):
-    """fastmq with a deliberate fault at message ``BROKEN_AT``."""
-
-    _count = 0
-
-    def send(self, obj, timeout: float) -> None:
-        if obj is not None:  # the stop message always goes through
-            self._count += 1
-            if self._count == BROKEN_AT:
-                if self.impl.broken == "drop":
-                    return  # lost, silently
-                obj = _corrupt(obj)
-        super().send(obj, timeout)
 
 
 def _corrupt(msg):
@@ -363,26 +304,19 @@ def _corrupt(msg):
     return tuple(msg)
 
 
-# ---------------------------------------------------------------------------
-# plain pyzmq
-
 def _ipc_path() -> tuple[str, str]:
-    # Named like fastmq's own ipc files so the test suite's leftover check
-    # covers them too.
+    # Named like fastmq's own, so the test suite's leftover check covers them.
     path = os.path.join(tempfile.gettempdir(),
                         f"fastmq_bench_{os.getpid()}_{secrets.token_hex(6)}.ipc")
     return f"ipc://{path}", path
 
 
 class _ZmqWriter:
-    """The best a plain pyzmq broadcast does: XPUB (sees the readers'
-    subscriptions, so nothing is sent before every reader listens), one
-    copying ``send`` per small message, large buffers as zero-copy frames,
-    each answer one blocking ``recv`` (a ``RCVTIMEO`` adds about 15 us to the
-    round trip: the harness's watchdog ends a receive that waits too long)."""
+    """Plain pyzmq at its best: XPUB (nothing sent before every reader
+    subscribed), zero-copy large frames, each answer one blocking ``recv``
+    (a ``RCVTIMEO`` costs ~15 us a round trip; the harness's watchdog
+    ends a receive that waits too long instead)."""
 
-    # ReaderGroup runs a watchdog thread for writers whose waits have no
-    # timeout of their own.
     needs_watchdog = True
 
     def __init__(self, n_readers: int):
@@ -391,7 +325,6 @@ class _ZmqWriter:
         from fastmq import segments
         from fastmq._serde import Encoder
 
-        self._zmq = zmq
         self._n = n_readers
         self._encoder = Encoder()
         self._ctx = zmq.Context()
@@ -399,36 +332,28 @@ class _ZmqWriter:
         self._pulls: list = []
         try:
             self._pub = self._ctx.socket(zmq.XPUB)
-            # Every reader's subscription reaches ready(), not only the
-            # first one for a topic.
+            # Every reader's subscription reaches ready(), not only a topic's first.
             self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-            # No high-water mark: PUB drops messages past it, and a dropped
-            # message fails the run (the throughput scenario sends faster
-            # than readers take).
+            # PUB drops past its high-water mark, and a dropped message fails the run.
             self._pub.setsockopt(zmq.SNDHWM, 0)
-            pub_addr, path = _ipc_path()
-            self._paths.append(path)
-            self._pub.bind(pub_addr)
-            pull_addrs = []
-            for _ in range(n_readers):
-                s = self._ctx.socket(zmq.PULL)
-                self._pulls.append(s)
+            addrs = []
+            self._pulls = [self._ctx.socket(zmq.PULL) for _ in range(n_readers)]
+            for sock in [self._pub, *self._pulls]:
                 addr, path = _ipc_path()
                 self._paths.append(path)
-                s.bind(addr)
-                pull_addrs.append(addr)
+                sock.bind(addr)
+                addrs.append(addr)
         except BaseException:
             self.close()
             raise
         segments.remove_at_exit(self._paths)
-        self.spec = (pub_addr, pull_addrs)
+        self.spec = (addrs[0], addrs[1:])
 
     def attach_acks(self, specs: list) -> None:
         pass  # the PULL sockets are bound already
 
     def ready(self) -> None:
-        # One subscription message per reader: after that nothing published
-        # can be missed (the slow-joiner problem).
+        # One subscription per reader: then nothing published is missed (slow joiners).
         for _ in range(self._n):
             self._pub.recv()
 
@@ -437,8 +362,6 @@ class _ZmqWriter:
         if len(frames) == 1:
             self._pub.send(frames[0])
         else:
-            # Big out-of-band buffers zero-copy (pyzmq copies frames under
-            # its copy threshold anyway).
             self._pub.send_multipart(frames, copy=False)
 
     def ack(self, rank: int, timeout: float):
@@ -455,6 +378,8 @@ class _ZmqWriter:
 
 
 class _ZmqReader:
+    ack_spec = None
+
     def __init__(self, spec, rank: int):
         import zmq
 
@@ -470,14 +395,12 @@ class _ZmqReader:
         self._sub.connect(pub_addr)
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.connect(pull_addrs[rank])
-        self.ack_spec = None
 
     def ready(self) -> None:
         pass
 
     def recv(self, timeout: float):
-        # No timeout (see _ZmqWriter): a reader left waiting is stopped by
-        # the harness when the writer gives up.
+        # No timeout (see _ZmqWriter): the harness stops a reader left waiting.
         zmq, sub = self._zmq, self._sub
         main = sub.recv()
         oob = []
@@ -494,14 +417,13 @@ class _ZmqReader:
         self._ctx.term()
 
 
-# ---------------------------------------------------------------------------
-# floor: one memcpy + the readers' reads
-
 class _FloorRef(tuple):
     """Stands for the tensor copied into the floor segment: (nbytes, dtype, shape)."""
 
 
-class _FloorWriter:
+class _FloorWriter(_QueueWriter):
+    """The tensor floor: one memcpy into a pre-faulted segment readers view in place."""
+
     def __init__(self, impl: Impl, n_readers: int, capacity: int):
         import numpy as np
 
@@ -512,23 +434,15 @@ class _FloorWriter:
         self._seg = segments.create_segment("bench", capacity, "the benchmark's floor buffer")
         try:
             self._view = np.frombuffer(self._seg, dtype=np.uint8)
-            # Pre-fault every page now: the floor is the copy, not tmpfs
-            # allocating pages in the middle of it.
+            # Pre-fault now: the floor is the copy, not tmpfs allocating pages.
             self._view.fill(0)
-            self._q = _QueueWriter(impl, _fastmq_mq(), n_readers,
-                                   {"wait_mode": "futex", "enable_shm_tensor_arena": False})
+            super().__init__(impl, _fastmq_mq(), n_readers, impl._kwargs(False))
         except BaseException:
             self._view = None
             self._release()
             raise
-        self.spec = (self._q.spec, self._seg.name)
+        self.spec = (self.spec, self._seg.name)
         self.arena_active = False
-
-    def attach_acks(self, specs: list) -> None:
-        self._q.attach_acks(specs)
-
-    def ready(self) -> None:
-        self._q.ready()
 
     def send(self, obj, timeout: float) -> None:
         import numpy as np
@@ -545,13 +459,10 @@ class _FloorWriter:
                     np.copyto(self._view[:src.size], src)
                     parts[i] = _FloorRef((src.size, str(part.dtype)[6:], tuple(part.shape)))
             obj = tuple(parts)
-        self._q.send(obj, timeout)
-
-    def ack(self, rank: int, timeout: float):
-        return self._q.ack(rank, timeout)
+        super().send(obj, timeout)
 
     def close(self) -> None:
-        self._q.close()
+        super().close()
         self._view = None
         self._release()
 
@@ -563,36 +474,25 @@ class _FloorWriter:
         self._seg.close()
 
 
-class _FloorReader:
-    def __init__(self, spec, rank: int):
+class _FloorReader(_QueueReader):
+    def __init__(self, impl: Impl, spec, rank: int):
         from fastmq._segment import Segment
 
         q_spec, name = spec
         self._seg = Segment.attach(name)
-        self._q = _QueueReader(IMPLS["floor"], _fastmq_mq(), q_spec, rank,
-                               {"wait_mode": "futex", "enable_shm_tensor_arena": False})
-        self.ack_spec = self._q.ack_spec
-
-    def ready(self) -> None:
-        self._q.ready()
+        super().__init__(impl, _fastmq_mq(), q_spec, rank, impl._kwargs(False))
 
     def recv(self, timeout: float):
-        obj = self._q.recv(timeout)
-        if isinstance(obj, tuple):
-            obj = tuple(self._view(p) if isinstance(p, _FloorRef) else p for p in obj)
-        return obj
-
-    def _view(self, ref):
         import torch
 
-        nbytes, dtype, shape = ref
-        # Zero copy: the tensor is the shared segment itself.
-        raw = torch.frombuffer(self._seg, dtype=torch.uint8, count=nbytes)
-        return raw.view(getattr(torch, dtype)).view(shape)
-
-    def reply(self, obj, timeout: float) -> None:
-        self._q.reply(obj, timeout)
+        obj = super().recv(timeout)
+        if not isinstance(obj, tuple):
+            return obj
+        # Zero copy: each tensor is the shared segment itself.
+        return tuple(torch.frombuffer(self._seg, dtype=torch.uint8, count=p[0])
+                     .view(getattr(torch, p[1])).view(p[2])
+                     if isinstance(p, _FloorRef) else p for p in obj)
 
     def close(self) -> None:
-        self._q.close()
+        super().close()
         self._seg.close()

@@ -1,24 +1,22 @@
-"""One benchmark run: which implementations run in which scenario, the
-reader-process environment, the scenarios in order (all of them, then all
-of them again for each repeated run, so that every implementation sees the
-same changes in the machine's load), and the result (records merged over
-the runs, ratios, the floor check, notes, machine details)."""
+"""One benchmark run: the plan, the reader-process environment, the
+scenarios in order (all, then all again per repeated run, so every
+implementation sees the same changes in the machine's load), the result."""
 from __future__ import annotations
 
 import gc
 import importlib
+import shutil
+import sys
 import time
 
 from fastmq.bench import figures, impls as impls_mod, scenario
 from fastmq.bench.config import SCENARIOS
 from fastmq.bench.harness import BenchError, Env
 from fastmq.bench.machine import loadavg, machine, versions
-from fastmq.bench.progress import Progress
 
 __all__ = ["BenchError", "plan", "describe", "run"]
 
-# What the forkserver imports once, so that each reader starts in
-# milliseconds instead of importing torch (and vLLM) again.
+# Imported once by the forkserver: a reader starts in milliseconds, not a torch import.
 _PRELOAD = ["numpy", "zmq", "fastmq", "fastmq.bench.harness", "fastmq.bench.impls",
             "fastmq.bench.floors"] + [f"fastmq.bench.{s}" for s in SCENARIOS]
 _VLLM_PRELOAD = ["vllm.distributed.device_communicators.shm_broadcast"]
@@ -44,8 +42,49 @@ def skipped(scenarios: list[str]) -> dict[str, str]:
     return out
 
 
-def _scenario(name: str):
-    return importlib.import_module(f"fastmq.bench.{name}")
+class Progress:
+    """One status line on a terminal; one line per run otherwise (logs, CI)."""
+
+    def __init__(self, total: int, enabled: bool = True, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and self.stream.isatty()
+        self.total, self.i, self.label, self.prefix = total, 0, "", ""
+        self.t0 = time.monotonic()
+        self._shown = False
+
+    def _head(self) -> str:
+        s = int(time.monotonic() - self.t0)
+        return f"[{self.i}/{self.total} {s // 60}:{s % 60:02d}]"
+
+    def start(self, label: str) -> None:
+        """A new run (one implementation at one N)."""
+        self.i += 1
+        self.label = self.prefix + label
+        if self.tty:
+            self._line(self.label)
+        elif self.enabled:
+            print(f"{self._head()} {self.label}", file=self.stream, flush=True)
+
+    def detail(self, text: str) -> None:
+        if self.tty:
+            self._line(f"{self.label}  {text}")
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.clear()
+            print(text, file=self.stream, flush=True)
+
+    def _line(self, text: str = "", head: bool = True) -> None:
+        width = shutil.get_terminal_size((100, 20)).columns - 1
+        line = f"{self._head()} {text}" if head else ""
+        self.stream.write("\r" + line[:width].ljust(width) + ("" if head else "\r"))
+        self.stream.flush()
+        self._shown = head
+
+    def clear(self) -> None:
+        if self.tty and self._shown:
+            self._line(head=False)
 
 
 def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
@@ -132,7 +171,7 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
                 t0 = time.monotonic()
                 if repeats > 1:
                     prog.prefix = f"run {rep + 1}/{repeats}  "
-                records += _scenario(s).run(env, lst, params, prog)
+                records += importlib.import_module(f"fastmq.bench.{s}").run(env, lst, params, prog)
                 seconds[s] = round(seconds.get(s, 0.0) + time.monotonic() - t0, 1)
             runs.append(records)
     finally:

@@ -1,23 +1,16 @@
-"""``wake``: one message after the readers have gone idle, and what idle
-readers cost.
+"""``wake``: one message to readers parked while idle, and what idle readers cost.
 
-Latency: the writer sleeps until every reader has parked and stayed
-parked for ``wake_gap_s`` (so the sleep is the implementation's spin phase
-plus the gap: 2 ms + 0.1 s for fastmq, 1 s + 0.1 s for vLLM, whose readers
-spin for a second after each read; fastmq's ``spin`` mode never parks),
-stamps ``CLOCK_MONOTONIC`` and sends ``("wake", seq, t0)``; each reader
-reads the same clock as soon as ``dequeue`` returns and answers with the
-difference: the one-way latency (same machine, same clock).
-
-Idle CPU: after the last message, the CPU time (utime + stime from
-``/proc/<pid>/stat``) each reader uses over ``idle_window_s``, as a
-percentage of one core.
+The writer sleeps through the readers' spin phase plus ``wake_gap_s``, then
+sends its ``CLOCK_MONOTONIC`` stamp; each reader answers with the one-way
+latency read on the same clock.  Idle CPU: each reader's utime + stime over
+``idle_window_s`` after the last message, as % of one core.
 """
 from __future__ import annotations
 
 import os
 import time
 
+from fastmq.bench.impls import IMPLS
 from fastmq.bench.harness import ReaderGroup, receive, summarize
 from fastmq.bench.scenario import Line, Scenario, latency_columns
 from fastmq.bench.verify import VerifyError, expect_seq
@@ -74,8 +67,7 @@ def cpu_ticks(pid: int) -> int:
     """utime + stime of process ``pid`` (all its threads), in clock ticks."""
     with open(f"/proc/{pid}/stat") as f:
         data = f.read()
-    # Fields after the command name, which may contain spaces: state is
-    # field 3, utime 14 and stime 15.
+    # Split after the command name, which may contain spaces.
     fields = data[data.rindex(")") + 2:].split()
     return int(fields[11]) + int(fields[12])
 
@@ -93,33 +85,28 @@ def cpu_ns(pid: int) -> int | None:
     return total
 
 
-def _floor_idle(params) -> float:
-    """The floors' writers sleep as long as fastmq's futex-mode writer does
-    before each sample: its readers' spin phase plus the gap."""
-    from fastmq import _config
-
-    return _config.spin_us(None) / 1e6 + params.wake_gap_s
-
-
 def run(env, impls, params, progress) -> list[dict]:
     from fastmq.bench import floors
 
     records = []
+
+    def record(impl, n, spin, idle, latencies, window=None, pct=None, fine=None):
+        records.append({
+            "scenario": NAME, "impl": impl.name, "n_readers": n, "size_bytes": None,
+            "unit": "us", "warmup": params.wake_warmup, "oversubscribed": env.oversubscribed(n),
+            "spin_s": spin, "idle_before_s": idle,
+            **summarize(latencies, 1e3), "samples_ns": latencies, "cpu_window_s": window,
+            "cpu_pct": pct and sum(pct) / len(pct), "cpu_pct_max": pct and max(pct),
+            "cpu_pct_schedstat": fine and sum(fine) / len(fine)})
+
     for n in params.readers[NAME]:
         for impl in impls:
             progress.start(f"wake  {impl.name}  N={n}")
             if impl.family == "floor":
-                idle = _floor_idle(params)
-                latencies = floors.wake_floor(env, impl.name, n, idle, params, progress)
-                records.append({
-                    "scenario": NAME, "impl": impl.name, "n_readers": n, "size_bytes": None,
-                    "unit": "us", "warmup": params.wake_warmup,
-                    "oversubscribed": env.oversubscribed(n),
-                    "spin_s": 0.0, "idle_before_s": idle,
-                    **summarize(latencies, 1e3), "samples_ns": latencies,
-                    "cpu_window_s": None, "cpu_pct": None, "cpu_pct_max": None,
-                    "cpu_pct_schedstat": None,
-                })
+                # As long as fastmq's futex-mode writer sleeps: its spin phase plus the gap.
+                idle = IMPLS["fastmq-futex"].spin_s + params.wake_gap_s
+                record(impl, n, 0.0, idle,
+                       floors.wake_floor(env, impl.name, n, idle, params, progress))
                 continue
             spin = impl.spin_s
             idle = (spin or 0.0) + params.wake_gap_s
@@ -152,20 +139,10 @@ def run(env, impls, params, progress) -> list[dict]:
                 ticks1 = [cpu_ticks(p) for p in g.pids]
                 ns1 = [cpu_ns(p) for p in g.pids]
                 window = time.monotonic() - t_a
-            pct = [(b - a) / _CLK_TCK / window * 100 for a, b in zip(ticks0, ticks1)]
-            pct_fine = (None if None in ns0 + ns1 else
-                        [(b - a) / 1e9 / window * 100 for a, b in zip(ns0, ns1)])
-            records.append({
-                "scenario": NAME, "impl": impl.name, "n_readers": n, "size_bytes": None,
-                "unit": "us", "warmup": params.wake_warmup,
-                "oversubscribed": env.oversubscribed(n),
-                "spin_s": spin, "idle_before_s": idle,
-                **summarize(latencies, 1e3), "samples_ns": latencies,
-                "cpu_window_s": window,
-                "cpu_pct": sum(pct) / len(pct), "cpu_pct_max": max(pct),
-                "cpu_pct_schedstat": (sum(pct_fine) / len(pct_fine)
-                                      if pct_fine is not None else None),
-            })
+            record(impl, n, spin, idle, latencies, window,
+                   [(b - a) / _CLK_TCK / window * 100 for a, b in zip(ticks0, ticks1)],
+                   None if None in ns0 + ns1 else
+                   [(b - a) / 1e9 / window * 100 for a, b in zip(ns0, ns1)])
     return records
 
 
