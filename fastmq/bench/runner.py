@@ -1,10 +1,10 @@
-"""One benchmark run: the plan, the reader-process environment, the
-scenarios in order (all, then all again per repeated run, so every
-implementation sees the same changes in the machine's load), the result."""
+"""One run: every scenario in turn, again per repeat; and what it ran on."""
 from __future__ import annotations
 
 import gc
 import importlib
+import os
+import platform
 import shutil
 import sys
 import time
@@ -12,7 +12,6 @@ import time
 from fastmq.bench import figures, impls as impls_mod, scenario
 from fastmq.bench.config import SCENARIOS
 from fastmq.bench.harness import BenchError, Env
-from fastmq.bench.machine import loadavg, machine, versions
 
 __all__ = ["BenchError", "plan", "describe", "run"]
 
@@ -33,13 +32,9 @@ def have_torch() -> bool:
 
 
 def skipped(scenarios: list[str]) -> dict[str, str]:
-    """Scenarios that cannot run here, with the reason."""
-    out = {}
-    if not have_torch():
-        for s in scenarios:
-            if scenario.get(s).needs_torch:
-                out[s] = f"skipped: needs torch, which is not installed ({TORCH_EXTRA})"
-    return out
+    return {} if have_torch() else {
+        s: f"skipped: needs torch, which is not installed ({TORCH_EXTRA})"
+        for s in scenarios if scenario.get(s).needs_torch}
 
 
 class Progress:
@@ -87,9 +82,8 @@ class Progress:
             self._line(head=False)
 
 
-def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
-    """``{scenario: [Impl, ...]}`` in report order (scenarios that cannot run
-    here, see ``skipped``, left out)."""
+def plan(scenarios: list[str], only: str | None) -> dict:
+    """``{scenario: [Impl, ...]}`` in report order."""
     wanted = None
     if only:
         wanted = [n.strip() for n in only.split(",") if n.strip()]
@@ -104,8 +98,6 @@ def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
             continue
         names = [n for n in scenario.get(s).impls if wanted is None or n in wanted]
         chosen = [impls_mod.IMPLS[n] for n in names]
-        if broken:
-            chosen.insert(0, impls_mod.BROKEN[broken])
         if chosen:
             out[s] = chosen
     if not out:
@@ -132,13 +124,12 @@ def describe(plan_: dict, scenarios: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = True,
-        scenarios: list[str] | None = None) -> dict:
+def run(plan_: dict, params, progress: bool = True, scenarios: list[str] | None = None) -> dict:
     load_start = loadavg()
     selected = {i.name: i for lst in plan_.values() for i in lst}
     with_vllm = any(i.family == "vllm" for i in selected.values())
     torch_ok = have_torch()
-    env = Env(start_method, (["torch"] if torch_ok else []) + _PRELOAD
+    env = Env((["torch"] if torch_ok else []) + _PRELOAD
               + (_VLLM_PRELOAD if with_vllm else []), params.timeout_s)
     notes: list[str] = []
     skip = skipped(scenarios or list(plan_))
@@ -187,8 +178,7 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     cfg = {k: v for k, v in vars(params).items()}
     cfg["scenarios"] = list(plan_)
     cfg["implementations"] = {s: [i.name for i in lst] for s, lst in plan_.items()}
-    cfg["start_method"] = start_method
-    m = machine()
+    m = _machine()
     m["loadavg_start"], m["loadavg_end"] = load_start, load_end
     return {
         "schema": figures.SCHEMA,
@@ -240,3 +230,59 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
                  "every reader verifies every message (number and content) and the run "
                  "fails otherwise.")
     return notes
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    try:
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith(key)), None)
+    except OSError:
+        return None
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _machine() -> dict:
+    mem = _proc_field("/proc/meminfo", "MemTotal:")
+    return {
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor()
+        or "unknown",
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "kernel": platform.release(),
+        "os": platform.platform(),
+        "machine": platform.machine(),
+        "memory_bytes": int(mem.split()[0]) * 1024 if mem else None,
+        "python": platform.python_version(),
+    }
+
+
+def versions(with_vllm: bool) -> dict:
+    """What was measured; ``torch`` None when not installed."""
+    import numpy
+    import zmq
+
+    import fastmq
+
+    out = {"fastmq": fastmq.__version__, "torch": None, "pyzmq": zmq.__version__,
+           "libzmq": zmq.zmq_version(), "numpy": numpy.__version__}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+    except ImportError:
+        pass
+    if with_vllm:
+        try:
+            import vllm
+
+            out["vllm"] = vllm.__version__
+        except Exception:
+            out["vllm"] = None
+    return out
