@@ -40,26 +40,27 @@ def skipped(scenarios: list[str]) -> dict[str, str]:
 class Progress:
     """One status line on a terminal; one line per run otherwise (logs, CI)."""
 
-    def __init__(self, total: int, enabled: bool = True, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and self.stream.isatty()
+    def __init__(self, total: int, enabled: bool = True):
+        self.enabled, self.tty = enabled, enabled and sys.stderr.isatty()
         self.total, self.i, self.label, self.prefix = total, 0, "", ""
-        self.t0 = time.monotonic()
-        self._shown = False
+        self.t0, self._shown = time.monotonic(), False
 
-    def _head(self) -> str:
+    def _line(self, text: str | None) -> None:
         s = int(time.monotonic() - self.t0)
-        return f"[{self.i}/{self.total} {s // 60}:{s % 60:02d}]"
+        line = "" if text is None else f"[{self.i}/{self.total} {s // 60}:{s % 60:02d}] {text}"
+        if self.tty:
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            sys.stderr.write("\r" + line[:width].ljust(width) + ("\r" if text is None else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        self._shown = text is not None
 
     def start(self, label: str) -> None:
-        """A new run (one implementation at one N)."""
         self.i += 1
         self.label = self.prefix + label
-        if self.tty:
+        if self.enabled:
             self._line(self.label)
-        elif self.enabled:
-            print(f"{self._head()} {self.label}", file=self.stream, flush=True)
 
     def detail(self, text: str) -> None:
         if self.tty:
@@ -68,18 +69,11 @@ class Progress:
     def note(self, text: str) -> None:
         if self.enabled:
             self.clear()
-            print(text, file=self.stream, flush=True)
-
-    def _line(self, text: str = "", head: bool = True) -> None:
-        width = shutil.get_terminal_size((100, 20)).columns - 1
-        line = f"{self._head()} {text}" if head else ""
-        self.stream.write("\r" + line[:width].ljust(width) + ("" if head else "\r"))
-        self.stream.flush()
-        self._shown = head
+            print(text, file=sys.stderr, flush=True)
 
     def clear(self) -> None:
         if self.tty and self._shown:
-            self._line(head=False)
+            self._line(None)
 
 
 def plan(scenarios: list[str], only: str | None) -> dict:
