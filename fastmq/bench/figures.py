@@ -6,7 +6,7 @@ import os
 import statistics
 
 from fastmq.bench import scenario
-from fastmq.bench.scenario import RATIO_RULE, num, quotient
+from fastmq.bench.scenario import num, quotient
 
 # The JSON files' format.
 SCHEMA = "fastmq-bench/3"
@@ -119,7 +119,3 @@ def write_json(path: str, result: dict) -> None:
         json.dump(out, f, indent=1, allow_nan=False)
         f.write("\n")
     os.replace(path + ".tmp", path)
-
-
-__all__ = ["RATIO_RULE", "SCHEMA", "annotate", "merge", "check_floors", "busy_note",
-           "load_results", "write_json"]

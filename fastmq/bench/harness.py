@@ -94,9 +94,8 @@ def tensor_expected(n_elem: int, seq: int) -> int:
 class Env:
     """Readers start from a forkserver: no inherited sockets or segments, imports done once."""
 
-    def __init__(self, preload: list[str], timeout_s: float = 60.0):
+    def __init__(self, preload: list[str]):
         self.ctx = mp.get_context("forkserver")
-        self.timeout_s = timeout_s
         self.usable_cpus = len(os.sched_getaffinity(0))
         self.ctx.set_forkserver_preload(preload)
         # Now: it imports the preloads while this process imports its own.
