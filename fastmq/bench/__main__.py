@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
 import shlex
@@ -42,21 +43,15 @@ _OPTIONS = (
                            "and reader count (full: 5)")),
     ("--idle-window", dict(type=float, metavar="SECONDS", help="wake: idle-CPU window after "
                            "the last message (full: 5 s)")),
-    ("--wake-gap", dict(type=float, metavar="SECONDS", help="wake: how long readers stay "
-                        "parked before each message (0.1 s)")),
     ("--repeat", dict(type=int, metavar="R", help="run everything R times in turn; each "
                       "figure is the median of the R runs, with their spread (full: 3)")),
     ("--json", dict(metavar="PATH", help="write every figure and machine details")),
-    ("--raw", dict(action="store_true", help="include every sample in the JSON")),
     ("--results-md", dict(metavar="PATH", help="write a Markdown report (bench/RESULTS.md)")),
     ("--link-rate", dict(metavar="RATE", help="run in a network namespace of its own whose "
                          "loopback is shaped to RATE (e.g. 25gbit): the remote (TCP) paths as "
                          "over a link slower than memory, as between nodes (root, iproute2)")),
     ("--timeout", dict(type=float, metavar="SECONDS", help="give up on any blocking "
                        "operation after this long (default 60)")),
-    ("--start-method", dict(choices=("forkserver", "spawn"), default="forkserver",
-                            help="how reader processes start (default forkserver: imports "
-                                 "once)")),
     ("--no-progress", dict(action="store_true", help="no progress display")),
     ("--tables", dict(action="store_true", help="print every scenario's full table too, not "
                       "only the summary (--results-md always writes them)")),
@@ -70,12 +65,10 @@ _OPTIONS = (
                       "follow), then exit")),
     ("--update-readme", dict(metavar="README", help="with --readme: replace the generated "
                              "block in README instead of printing it")),
-    # Proves that a run losing or corrupting a message fails instead of reporting a time.
-    ("--broken", dict(choices=("drop", "corrupt"), help=argparse.SUPPRESS)),
 )
 # Numeric options: (option, Params field, lowest, highest or None).
 _BOUNDS = (("tensor_reps", "tensor_reps", 1, 1000), ("repeat", "repeats", 1, 100),
-           ("idle_window", "idle_window_s", 0.05, None), ("wake_gap", "wake_gap_s", 0.0, None),
+           ("idle_window", "idle_window_s", 0.05, None),
            ("timeout", "timeout_s", 1.0, None))
 
 
@@ -149,20 +142,11 @@ def command_line(argv: list[str], from_module: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command; with ``argv`` None (run as a program) the process exits here."""
+    """The command; run as a program (``argv`` None) the process exits here."""
     if argv is not None:
         return _main(argv, from_module=False)
     rc = _main(sys.argv[1:], from_module=sys.argv[0].endswith("__main__.py"))
-    _exit_quietly(rc)
-    return rc  # not reached
-
-
-def _exit_quietly(rc: int) -> None:
-    """Exit after the exit handlers but without the interpreter's module
-    teardown, where triton's bindings (imported by vLLM) print dozens of
-    lines about nothing this command did."""
-    import atexit
-
+    # No module teardown, where triton's bindings (imported by vLLM) print dozens of lines.
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -195,7 +179,7 @@ def _main(argv: list[str], from_module: bool) -> int:
     from fastmq.bench import runner
 
     try:
-        plan = runner.plan(scenarios, args.impl, args.broken)
+        plan = runner.plan(scenarios, args.impl)
     except ValueError as e:
         return _error(e)
     if args.list:
@@ -205,8 +189,7 @@ def _main(argv: list[str], from_module: bool) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     t0 = time.monotonic()
     try:
-        result = runner.run(plan, params, start_method=args.start_method,
-                            progress=not args.no_progress, scenarios=scenarios)
+        result = runner.run(plan, params, progress=not args.no_progress, scenarios=scenarios)
     except runner.BenchError as e:
         print(f"fastmq-bench: FAILED: {e}", file=sys.stderr)
         print("fastmq-bench: no figures reported: a run that cannot verify what its "
@@ -226,7 +209,7 @@ def _main(argv: list[str], from_module: bool) -> int:
             f"network namespace of this run's own): a link slower than memory, as between "
             f"nodes. Local paths are unaffected. tc: {qdisc}")
 
-    return _write(args, result, raw=args.raw)
+    return _write(args, result)
 
 
 def _render(args, argv, from_module) -> int:
@@ -237,15 +220,15 @@ def _render(args, argv, from_module) -> int:
     except (OSError, ValueError) as e:
         return _error(e)
     result["rendered_by"] = command_line(argv, from_module)
-    return _write(args, result, raw=True)  # keeps whatever the file had
+    return _write(args, result)
 
 
-def _write(args, result: dict, raw: bool) -> int:
+def _write(args, result: dict) -> int:
     from fastmq.bench import figures, report
 
     print(report.terminal(result, tables=args.tables))
     if args.json:
-        figures.write_json(args.json, result, raw=raw)
+        figures.write_json(args.json, result)
         print(f"\nwrote {args.json}")
     if args.results_md:
         report.write_markdown(args.results_md, result)

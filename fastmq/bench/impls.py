@@ -1,18 +1,4 @@
-"""The implementations measured side by side, behind one small interface:
-
-    writer = impl.make_writer(n_readers, capacity)   # capacity: largest tensor
-    reader = impl.open_reader(writer.spec, rank)     # in reader process ``rank``
-    writer.attach_acks([reader.ack_spec, ...])       # each reader answers on its own 1:1 channel
-    writer.ready(); reader.ready()                   # collective handshake
-    writer.send(obj, timeout); reader.recv(timeout)  # the broadcast
-    reader.reply(obj, timeout); writer.ack(rank, timeout)
-
-Families: ``fastmq``, ``vllm`` (0.33.0), ``pyzmq`` (the fastest without a
-shared-memory ring) and ``floor`` (tensors; the other floors are in
-floors.py).  Remote rows go over TCP on loopback: ``-remote`` (every reader)
-or ``-remote-both`` (the answer queues too: vLLM's multi-node executor).
-``broken-*`` (hidden ``--broken``) carry a deliberate fault: the run must fail.
-"""
+"""The implementations measured, behind the writer/reader interface the harness uses."""
 from __future__ import annotations
 
 import gc
@@ -23,8 +9,6 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 
-# Early, inside the warm-up, so a broken run fails fast.
-BROKEN_AT = 3
 REMOTE_IP = "127.0.0.1"
 
 
@@ -35,7 +19,6 @@ class Impl:
     description: str
     wait_mode: str | None = None
     arena: bool | None = None
-    broken: str | None = None   # drop | corrupt (test-only)
     remote: str = ""            # "" | "readers" | "both"
     remote_kwargs: dict = field(default_factory=dict)  # fastmq's security
 
@@ -141,10 +124,6 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
 REMOTE_ROWS = {i.name: (None if i.family == "vllm" else "vllm" + _SHAPES[i.remote][0])
                for i in IMPLS.values() if i.remote}
 
-BROKEN = {b: Impl(f"broken-{b}", "fastmq", f"TEST ONLY: fastmq that {what} a message",
-                  **_FUTEX, broken=b) for b, what in (("drop", "loses"),
-                                                      ("corrupt", "corrupts"))}
-
 
 def remote_notes(names) -> list[str]:
     """What the remote rows among ``names`` are (a table's notes)."""
@@ -204,8 +183,6 @@ def _shutdown(*queues) -> None:
 class _QueueWriter:
     """A MessageQueue (fastmq's and vLLM's share the surface)."""
 
-    _count = 0
-
     def __init__(self, impl: Impl, mq_cls, n_readers: int, kwargs: dict):
         self.impl = impl
         self._cls = mq_cls
@@ -232,12 +209,6 @@ class _QueueWriter:
             a.wait_until_ready()
 
     def send(self, obj, timeout: float) -> None:
-        if self.impl.broken and obj is not None:  # the stop message always goes through
-            self._count += 1
-            if self._count == BROKEN_AT:
-                if self.impl.broken == "drop":
-                    return
-                obj = _corrupt(obj)
         self._mq.enqueue(obj, timeout=timeout)
 
     def ack(self, rank: int, timeout: float):
@@ -286,24 +257,6 @@ class _QueueReader:
         gc.collect()
 
 
-def _corrupt(msg):
-    """The same message with one byte (or the number) wrong."""
-    msg = list(msg)
-    for i, part in enumerate(msg):
-        if isinstance(part, (bytes, bytearray)) and len(part) > 16:
-            b = bytearray(part)
-            b[len(b) // 2] ^= 0xFF
-            msg[i] = bytes(b)
-            return tuple(msg)
-        if hasattr(part, "element_size"):  # torch.Tensor
-            t = part.clone()
-            t.view(-1)[t.numel() // 2] += 1
-            msg[i] = t
-            return tuple(msg)
-    msg[1] += 1
-    return tuple(msg)
-
-
 def _ipc_path() -> tuple[str, str]:
     # Named like fastmq's own, so the test suite's leftover check covers them.
     path = os.path.join(tempfile.gettempdir(),
@@ -312,10 +265,7 @@ def _ipc_path() -> tuple[str, str]:
 
 
 class _ZmqWriter:
-    """Plain pyzmq at its best: XPUB (nothing sent before every reader
-    subscribed), zero-copy large frames, each answer one blocking ``recv``
-    (a ``RCVTIMEO`` costs ~15 us a round trip; the harness's watchdog
-    ends a receive that waits too long instead)."""
+    """Plain pyzmq at its best; a blocking recv: a timeout costs 15 us a round trip."""
 
     needs_watchdog = True
 

@@ -1,11 +1,5 @@
-"""``--link-rate``: the remote (TCP) paths over a link slower than memory.
-
-Over loopback TCP moves bytes as fast as the CPUs copy them, so the
-writer's pass for its tags adds to the time; between nodes a NIC sets the
-pace and a tag is computed while the segment before it is on the wire.  To
-measure that on one machine the run gets a network namespace of its own
-(``unshare -n``: root) whose loopback is shaped to the rate (``tc ... tbf``).
-"""
+"""``--link-rate``: remote paths over a link slower than memory, in a namespace of their
+own (root), because over loopback TCP moves bytes as fast as the CPUs copy them."""
 from __future__ import annotations
 
 import os
@@ -34,8 +28,7 @@ def inside() -> str | None:
 
 
 def enter(rate: str, argv: list[str]) -> int:
-    """This command again in a network namespace of its own; its exit status
-    (``RuntimeError``: why that cannot be done here)."""
+    """This command again in a network namespace of its own; its exit status."""
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         raise RuntimeError(f"--link-rate needs {', '.join(missing)} (util-linux, iproute2)")
@@ -53,13 +46,10 @@ def enter(rate: str, argv: list[str]) -> int:
 
 
 def shape(rate: str) -> str:
-    """Bring this namespace's loopback up, shaped to ``rate``; what ``tc``
-    says the queue discipline is (kept with the figures).
-
-    A 1 MB bucket: what passes at memory speed after a pause is a head start
-    no real link gives (4 MB gave a quarter of a 16 MiB message one); the
-    queue behind holds 100 ms of the rate, so shaping delays, never drops."""
+    """Bring loopback up shaped to ``rate``; what tc says the qdisc is."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    # A 1 MB bucket: more is a head start after a pause that no real link gives; the
+    # queue holds 100 ms of the rate, so shaping delays and never drops.
     subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
                     "burst", "1mb", "latency", "100ms"], check=True)
     return subprocess.run(["tc", "qdisc", "show", "dev", "lo"], check=True,
@@ -67,8 +57,7 @@ def shape(rate: str) -> str:
 
 
 def sent_bytes() -> int:
-    """Bytes this namespace's loopback has sent through the shaper so far
-    (kept with the figures: what the remote paths moved over the link)."""
+    """Bytes through the shaper so far: what the remote paths moved over the link."""
     out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "lo"], check=True,
                          capture_output=True, text=True).stdout
     m = re.search(r"Sent (\d+) bytes", out)

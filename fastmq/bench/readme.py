@@ -1,6 +1,4 @@
-"""The README's generated figures: one headline table (the summary lines the
-scenarios mark ``readme``) and one sentence saying where fastmq is slower
-than vLLM, computed from every figure of the runs."""
+"""The README's generated figures: the headline table and where fastmq is slower."""
 from __future__ import annotations
 
 import os
@@ -32,8 +30,7 @@ def _report_md(path: str) -> str:
 
 
 def slower(results: list[dict]) -> str:
-    """One sentence: the figures of ``results`` where a fastmq row's ratio to
-    vLLM is below 1x, grouped by scenario."""
+    """One sentence: where a fastmq row is below 1x against vLLM."""
     parts, total = [], 0
     for spec in scenario.every():
         rs = [r for res in results for r in res["records"] if r["scenario"] == spec.name
@@ -55,8 +52,7 @@ def slower(results: list[dict]) -> str:
 
 
 def block(result: dict, json_path: str = "bench/results.json", more: tuple = ()) -> str:
-    """The README's figures, generated from the JSON file (and ``more``:
-    pairs of a result and its file, e.g. runs over a shaped link)."""
+    """The README's figures block; ``more``: (result, path) of shaped-link runs."""
     rows = summary_rows(result["records"], readme=True)
     if len(rows) > MAX_ROWS:
         raise ValueError(f"{len(rows)} headline rows; the README shows at most {MAX_ROWS}")

@@ -1,6 +1,4 @@
-"""What people read, generic over the scenarios' declarations
-(``scenario.Scenario``): each scenario's table, the summary lines, the
-grids (large tensors), the terminal report and ``RESULTS.md``."""
+"""What people read, generic over the scenarios' declarations."""
 from __future__ import annotations
 
 import os
@@ -71,10 +69,7 @@ def _sizes(records, spec) -> list:
 
 
 def summary_rows(records: list[dict], readers=None, readme: bool = False) -> list[list[str]]:
-    """The summary lines every scenario declares: ``[figure, fastmq, compared
-    with, ratio]`` for each reader count (``readers``: only those), only
-    where both sides were measured.  ``readme``: the README's lines, at each
-    scenario's smallest reader count, without the spread or names."""
+    """``[figure, fastmq, compared with, ratio]`` per summary line; ``readme``: the headline."""
     idx = {key(r): r for r in records}
     rows = []
     for spec in scenario.every():
@@ -106,9 +101,7 @@ def summary_rows(records: list[dict], readers=None, readme: bool = False) -> lis
 
 
 def grid(records: list[dict], spec, pairs, column: str) -> tuple[list[str], list[list[str]]]:
-    """A row per (label, size) of ``pairs`` ((label, impl, reference), ...),
-    a column per N headed ``column``; each cell ``reference p50 / impl p50 =
-    ratio``."""
+    """A row per (path, size), a column per N: reference / impl = ratio."""
     rs = [r for r in records if r["scenario"] == spec.name]
     ns = sorted({r["n_readers"] for r in rs})
     idx = {key(r): r for r in rs}
@@ -168,8 +161,7 @@ def notes_text(result: dict, md: bool) -> str:
 
 
 def terminal(result: dict, tables: bool = False) -> str:
-    """What the command prints: the summary and the notes; with ``tables``
-    every scenario's table first."""
+    """The summary and notes; with ``tables`` every scenario's table first."""
     return "\n\n".join(p for p in [
         f"fastmq-bench ({result['config']['preset']}): {machine_line(result)}",
         scenario_tables(result) if tables else "",

@@ -1,20 +1,17 @@
-"""One benchmark run: the plan, the reader-process environment, the
-scenarios in order (all, then all again per repeated run, so every
-implementation sees the same changes in the machine's load), the result."""
+"""One run: every scenario in turn, again per repeat; and what it ran on."""
 from __future__ import annotations
 
 import gc
 import importlib
+import os
+import platform
 import shutil
 import sys
 import time
 
 from fastmq.bench import figures, impls as impls_mod, scenario
 from fastmq.bench.config import SCENARIOS
-from fastmq.bench.harness import BenchError, Env
-from fastmq.bench.machine import loadavg, machine, versions
-
-__all__ = ["BenchError", "plan", "describe", "run"]
+from fastmq.bench.harness import BenchError, Env  # noqa: F401 (the command catches it)
 
 # Imported once by the forkserver: a reader starts in milliseconds, not a torch import.
 _PRELOAD = ["numpy", "zmq", "fastmq", "fastmq.bench.harness", "fastmq.bench.impls",
@@ -33,38 +30,35 @@ def have_torch() -> bool:
 
 
 def skipped(scenarios: list[str]) -> dict[str, str]:
-    """Scenarios that cannot run here, with the reason."""
-    out = {}
-    if not have_torch():
-        for s in scenarios:
-            if scenario.get(s).needs_torch:
-                out[s] = f"skipped: needs torch, which is not installed ({TORCH_EXTRA})"
-    return out
+    return {} if have_torch() else {
+        s: f"skipped: needs torch, which is not installed ({TORCH_EXTRA})"
+        for s in scenarios if scenario.get(s).needs_torch}
 
 
 class Progress:
     """One status line on a terminal; one line per run otherwise (logs, CI)."""
 
-    def __init__(self, total: int, enabled: bool = True, stream=None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and self.stream.isatty()
+    def __init__(self, total: int, enabled: bool = True):
+        self.enabled, self.tty = enabled, enabled and sys.stderr.isatty()
         self.total, self.i, self.label, self.prefix = total, 0, "", ""
-        self.t0 = time.monotonic()
-        self._shown = False
+        self.t0, self._shown = time.monotonic(), False
 
-    def _head(self) -> str:
+    def _line(self, text: str | None) -> None:
         s = int(time.monotonic() - self.t0)
-        return f"[{self.i}/{self.total} {s // 60}:{s % 60:02d}]"
+        line = "" if text is None else f"[{self.i}/{self.total} {s // 60}:{s % 60:02d}] {text}"
+        if self.tty:
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            sys.stderr.write("\r" + line[:width].ljust(width) + ("\r" if text is None else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        self._shown = text is not None
 
     def start(self, label: str) -> None:
-        """A new run (one implementation at one N)."""
         self.i += 1
         self.label = self.prefix + label
-        if self.tty:
+        if self.enabled:
             self._line(self.label)
-        elif self.enabled:
-            print(f"{self._head()} {self.label}", file=self.stream, flush=True)
 
     def detail(self, text: str) -> None:
         if self.tty:
@@ -73,23 +67,15 @@ class Progress:
     def note(self, text: str) -> None:
         if self.enabled:
             self.clear()
-            print(text, file=self.stream, flush=True)
-
-    def _line(self, text: str = "", head: bool = True) -> None:
-        width = shutil.get_terminal_size((100, 20)).columns - 1
-        line = f"{self._head()} {text}" if head else ""
-        self.stream.write("\r" + line[:width].ljust(width) + ("" if head else "\r"))
-        self.stream.flush()
-        self._shown = head
+            print(text, file=sys.stderr, flush=True)
 
     def clear(self) -> None:
         if self.tty and self._shown:
-            self._line(head=False)
+            self._line(None)
 
 
-def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
-    """``{scenario: [Impl, ...]}`` in report order (scenarios that cannot run
-    here, see ``skipped``, left out)."""
+def plan(scenarios: list[str], only: str | None) -> dict:
+    """``{scenario: [Impl, ...]}`` in report order."""
     wanted = None
     if only:
         wanted = [n.strip() for n in only.split(",") if n.strip()]
@@ -104,8 +90,6 @@ def plan(scenarios: list[str], only: str | None, broken: str | None) -> dict:
             continue
         names = [n for n in scenario.get(s).impls if wanted is None or n in wanted]
         chosen = [impls_mod.IMPLS[n] for n in names]
-        if broken:
-            chosen.insert(0, impls_mod.BROKEN[broken])
         if chosen:
             out[s] = chosen
     if not out:
@@ -132,14 +116,12 @@ def describe(plan_: dict, scenarios: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = True,
-        scenarios: list[str] | None = None) -> dict:
+def run(plan_: dict, params, progress: bool = True, scenarios: list[str] | None = None) -> dict:
     load_start = loadavg()
     selected = {i.name: i for lst in plan_.values() for i in lst}
     with_vllm = any(i.family == "vllm" for i in selected.values())
     torch_ok = have_torch()
-    env = Env(start_method, (["torch"] if torch_ok else []) + _PRELOAD
-              + (_VLLM_PRELOAD if with_vllm else []), params.timeout_s)
+    env = Env((["torch"] if torch_ok else []) + _PRELOAD + (_VLLM_PRELOAD if with_vllm else []))
     notes: list[str] = []
     skip = skipped(scenarios or list(plan_))
     for s, why in skip.items():
@@ -187,8 +169,7 @@ def run(plan_: dict, params, start_method: str = "forkserver", progress: bool = 
     cfg = {k: v for k, v in vars(params).items()}
     cfg["scenarios"] = list(plan_)
     cfg["implementations"] = {s: [i.name for i in lst] for s, lst in plan_.items()}
-    cfg["start_method"] = start_method
-    m = machine()
+    m = _machine()
     m["loadavg_start"], m["loadavg_end"] = load_start, load_end
     return {
         "schema": figures.SCHEMA,
@@ -240,3 +221,59 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
                  "every reader verifies every message (number and content) and the run "
                  "fails otherwise.")
     return notes
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    try:
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith(key)), None)
+    except OSError:
+        return None
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _machine() -> dict:
+    mem = _proc_field("/proc/meminfo", "MemTotal:")
+    return {
+        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor()
+        or "unknown",
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "kernel": platform.release(),
+        "os": platform.platform(),
+        "machine": platform.machine(),
+        "memory_bytes": int(mem.split()[0]) * 1024 if mem else None,
+        "python": platform.python_version(),
+    }
+
+
+def versions(with_vllm: bool) -> dict:
+    """What was measured; ``torch`` None when not installed."""
+    import numpy
+    import zmq
+
+    import fastmq
+
+    out = {"fastmq": fastmq.__version__, "torch": None, "pyzmq": zmq.__version__,
+           "libzmq": zmq.zmq_version(), "numpy": numpy.__version__}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+    except ImportError:
+        pass
+    if with_vllm:
+        try:
+            import vllm
+
+            out["vllm"] = vllm.__version__
+        except Exception:
+            out["vllm"] = None
+    return out

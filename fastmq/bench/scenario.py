@@ -1,11 +1,4 @@
-"""What a scenario declares about itself (its title, its rows and their vLLM
-counterparts, its floor, its table, its summary lines), so that the report
-is generic, and the number formats its cells use.
-
-Ratios, one rule everywhere (``RATIO_RULE``): the reference's time / this
-row's time (rates: this row's / the reference's), above 1x this row is
-faster.  A cost that is not a time (CPU) follows the same rule.
-"""
+"""What a scenario declares, so that the report is generic; the number formats."""
 from __future__ import annotations
 
 import importlib
@@ -21,9 +14,7 @@ RATIO_RULE = ("ratio = the reference's time / this row's time (for rates: this r
 
 @dataclass(frozen=True)
 class Line:
-    """A summary line: ``impl``'s ``field`` against ``ref``'s, at every
-    reader count; ``readme``: also in the README's headline table (at the
-    smallest reader count)."""
+    """A summary line: ``impl``'s ``field`` against ``ref``'s."""
 
     label: str
     impl: str

@@ -1,23 +1,11 @@
-"""``tensor``: a large CPU tensor broadcast to N readers that each read
-every byte of it.
-
-The writer sends ``("tensor", seq, t)`` where ``t`` is an int64
-``arange`` with ``seq`` added to its first and last element; each reader
-computes a 64-bit checksum over all of the tensor's bytes (the "read every
-byte" work, and the check that it received the right tensor), drops its
-references (so an arena slot can be released) and answers with the
-checksum.  The figure is the writer's time from ``enqueue`` to the last
-answer.  ``floor`` is one memcpy plus the same reads, in the same run.
-"""
+"""``tensor``: a large CPU tensor broadcast, every reader checksums every byte."""
 from __future__ import annotations
-
-import time
 
 from fastmq.bench import impls as impls_mod
 from fastmq.bench.config import MiB, fmt_size
-from fastmq.bench.harness import BenchError, ReaderGroup, receive, summarize
+from fastmq.bench.harness import (BenchError, VerifyError, checksum, groups, record, serve,
+                                  tensor_expected)
 from fastmq.bench.scenario import Line, Scenario, num, ratio, spread
-from fastmq.bench.verify import VerifyError, checksum, expect_seq, tensor_expected
 
 NAME = "tensor"
 
@@ -88,77 +76,47 @@ SPEC = Scenario(
 def run(env, impls, params, progress) -> list[dict]:
     import torch
 
-    records = []
-    for n in params.readers[NAME]:
-        for impl in impls:
-            progress.start(f"tensor  {impl.name}  N={n}")
-            with ReaderGroup(env, impl, n, NAME, params,
-                             capacity=max(params.tensor_sizes)) as g:
-                seq = 0
-                for size in params.tensor_sizes:
-                    progress.detail(fmt_size(size))
-                    n_elem = size // 8
-                    t = torch.arange(n_elem, dtype=torch.int64)
-                    samples, first = [], None
-                    for rep in range(params.tensor_warmup + params.tensor_reps):
-                        seq += 1
-                        t[0] = seq
-                        t[-1] = n_elem - 1 + seq
-                        total = tensor_expected(n_elem, seq)
-                        t0 = time.perf_counter_ns()
-                        g.send(("tensor", seq, t))
-                        acks = [g.ack(r) for r in range(n)]
-                        dt = time.perf_counter_ns() - t0
-                        for r, a in enumerate(acks):
-                            want = ("ok", seq, r, total, size)
-                            if a[:3] == want[:3] and a[3:] != want[3:]:
-                                raise BenchError(
-                                    f"{g.where}: reader {r} read {a[4]} bytes with checksum "
-                                    f"{a[3]:#x} from tensor message {seq}; the writer sent "
-                                    f"{size} bytes with checksum {total:#x}: the tensor it "
-                                    "received differs from what was sent")
-                            if a != want:
-                                raise g.bad_ack(r, a, want)
-                        if first is None:
-                            first = dt
-                        if rep >= params.tensor_warmup:
-                            samples.append(dt)
-                        # Restore the pattern for the next message.
-                        t[0] = 0
-                        t[-1] = n_elem - 1
-                    del t
-                    records.append({
-                        "scenario": NAME, "impl": impl.name, "n_readers": n,
-                        "size_bytes": size, "unit": "ms", "warmup": params.tensor_warmup,
-                        "oversubscribed": env.oversubscribed(n),
-                        "arena_active": getattr(g.writer, "arena_active", None),
-                        "first_ms": first / 1e6,
-                        **summarize(samples, 1e6), "samples_ns": samples,
-                    })
-    return records
+    def measure(g):
+        out, seq = [], 0
+        for size in params.tensor_sizes:
+            progress.detail(fmt_size(size))
+            n_elem = size // 8
+            t = torch.arange(n_elem, dtype=torch.int64)
+            samples, first = [], None
+            for rep in range(params.tensor_warmup + params.tensor_reps):
+                seq += 1
+                t[0], t[-1] = seq, n_elem - 1 + seq
+                total = tensor_expected(n_elem, seq)
+                dt, acks = g.round_trip(("tensor", seq, t), free=2)
+                for r, a in enumerate(acks):
+                    if a[3:] != (total, size):
+                        raise BenchError(
+                            f"{g.where}: reader {r} read {a[4]} bytes with checksum "
+                            f"{a[3]:#x} from tensor message {seq}; the writer sent "
+                            f"{size} bytes with checksum {total:#x}: the tensor it "
+                            "received differs from what was sent")
+                first = dt if first is None else first
+                if rep >= params.tensor_warmup:
+                    samples.append(dt)
+                t[0], t[-1] = 0, n_elem - 1
+            del t
+            out.append(record(NAME, g.impl.name, g.n, size, "ms", env, samples, 1e6,
+                              warmup=params.tensor_warmup, first_ms=first / 1e6,
+                              arena_active=getattr(g.writer, "arena_active", None)))
+        return out
+
+    return groups(env, impls, params, progress, NAME, measure,
+                  capacity=max(params.tensor_sizes))
+
+
+def _answer(seq, t, _):
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+        raise VerifyError(f"message {seq}: expected an int64 tensor, received "
+                          f"{getattr(t, 'dtype', type(t).__name__)}")
+    return checksum(t), t.numel() * t.element_size()
 
 
 def reader_loop(end, rank: int, params):
-    import torch
-
-    recv, reply, timeout = end.recv, end.reply, params.timeout_s
-    expect = 1
-    while True:
-        m = receive(recv, timeout, expect)
-        if m is None:
-            return {"received": expect - 1}
-        if type(m) is not tuple or len(m) != 3 or m[0] != "tensor":
-            raise VerifyError(f"expected a tensor message, received {type(m).__name__}")
-        seq, t = m[1], m[2]
-        expect_seq(expect, seq)
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
-            raise VerifyError(f"message {seq}: expected an int64 tensor, received "
-                              f"{getattr(t, 'dtype', type(t).__name__)}")
-        total = checksum(t)
-        nbytes = t.numel() * t.element_size()
-        # Let go of the tensor before answering: an arena slot is released
-        # when its last view dies.
-        del t, m
-        reply(("ok", seq, rank, total, nbytes), timeout)
-        expect += 1
-
+    return serve(end, rank, params, "tensor", _answer)

@@ -1,19 +1,11 @@
-"""``throughput``: small messages, pipelined, one writer to N readers.
-
-The writer sends ``("tp", seq, payload)`` as fast as the implementation
-takes them for a time budget, then ``("end", last_seq, count)``; each reader
-checks every number and payload and answers the end message with how many
-it received.  The figure is messages per second delivered to every reader,
-from the first send to the last reader's answer (so it includes draining).
-"""
+"""``throughput``: small messages pipelined, delivered to every reader per second."""
 from __future__ import annotations
 
 import statistics
 import time
 
-from fastmq.bench.harness import ReaderGroup, receive
+from fastmq.bench.harness import VerifyError, expect_seq, groups, pattern, receive, record
 from fastmq.bench.scenario import Line, Scenario, rate, ratio
-from fastmq.bench.verify import VerifyError, expect_seq, pattern
 
 NAME = "throughput"
 SPEC = Scenario(
@@ -32,43 +24,30 @@ SPEC = Scenario(
 
 
 def run(env, impls, params, progress) -> list[dict]:
-    records = []
     payload = pattern(params.tp_payload)
-    for n in params.readers[NAME]:
-        for impl in impls:
-            progress.start(f"throughput  {impl.name}  N={n}")
-            rates, counts = [], []
-            with ReaderGroup(env, impl, n, NAME, params) as g:
-                send, ack = g.send, g.ack
-                seq = 0
-                for rep in range(params.tp_warmup_reps + params.tp_reps):
-                    count = 0
-                    t0 = time.perf_counter_ns()
-                    stop = t0 + int(params.tp_budget_s * 1e9)
-                    while count < params.tp_max_msgs:
-                        seq += 1
-                        send(("tp", seq, payload))
-                        count += 1
-                        if (count & 255) == 0 and time.perf_counter_ns() >= stop:
-                            break
-                    send(("end", seq, count))
-                    acks = [ack(r) for r in range(n)]
-                    dt = time.perf_counter_ns() - t0
-                    for r, a in enumerate(acks):
-                        if a != ("ok", seq, r, count):
-                            raise g.bad_ack(r, a, ("ok", seq, r, count))
-                    if rep >= params.tp_warmup_reps:
-                        rates.append(count / dt * 1e9)
-                        counts.append(count)
-            rate = statistics.median(rates)
-            records.append({
-                "scenario": NAME, "impl": impl.name, "n_readers": n,
-                "size_bytes": params.tp_payload, "unit": "msg/s",
-                "oversubscribed": env.oversubscribed(n),
-                "rate": rate, "rate_min": min(rates), "rate_max": max(rates),
-                "reps": len(rates), "messages": sum(counts),
-            })
-    return records
+
+    def measure(g):
+        rates, counts, send, seq = [], [], g.send, 0
+        for rep in range(params.tp_warmup_reps + params.tp_reps):
+            count = 0
+            t0 = time.perf_counter_ns()
+            stop = t0 + int(params.tp_budget_s * 1e9)
+            while count < params.tp_max_msgs:
+                seq += 1
+                send(("tp", seq, payload))
+                count += 1
+                if (count & 255) == 0 and time.perf_counter_ns() >= stop:
+                    break
+            # Until every reader answered the end message: draining included.
+            dt = time.perf_counter_ns() - t0 + g.round_trip(("end", seq, count), count)[0]
+            if rep >= params.tp_warmup_reps:
+                rates.append(count / dt * 1e9)
+                counts.append(count)
+        return [record(NAME, g.impl.name, g.n, params.tp_payload, "msg/s", env,
+                       rate=statistics.median(rates), rate_min=min(rates),
+                       rate_max=max(rates), reps=len(rates), messages=sum(counts))]
+
+    return groups(env, impls, params, progress, NAME, measure)
 
 
 def reader_loop(end, rank: int, params):

@@ -1,19 +1,12 @@
-"""``wake``: one message to readers parked while idle, and what idle readers cost.
-
-The writer sleeps through the readers' spin phase plus ``wake_gap_s``, then
-sends its ``CLOCK_MONOTONIC`` stamp; each reader answers with the one-way
-latency read on the same clock.  Idle CPU: each reader's utime + stime over
-``idle_window_s`` after the last message, as % of one core.
-"""
+"""``wake``: one-way latency to readers parked while idle, and their idle CPU."""
 from __future__ import annotations
 
 import os
 import time
 
 from fastmq.bench.impls import IMPLS
-from fastmq.bench.harness import ReaderGroup, receive, summarize
+from fastmq.bench.harness import VerifyError, groups, record, serve
 from fastmq.bench.scenario import Line, Scenario, latency_columns
-from fastmq.bench.verify import VerifyError, expect_seq
 
 NAME = "wake"
 
@@ -64,7 +57,7 @@ def _now() -> int:
 
 
 def cpu_ticks(pid: int) -> int:
-    """utime + stime of process ``pid`` (all its threads), in clock ticks."""
+    """utime + stime of ``pid``'s threads, in clock ticks."""
     with open(f"/proc/{pid}/stat") as f:
         data = f.read()
     # Split after the command name, which may contain spaces.
@@ -73,8 +66,7 @@ def cpu_ticks(pid: int) -> int:
 
 
 def cpu_ns(pid: int) -> int | None:
-    """Nanoseconds on CPU of ``pid``'s live threads (schedstat), finer than
-    clock ticks; None where the kernel does not provide it."""
+    """Nanoseconds on CPU of ``pid``'s live threads (schedstat, finer than ticks), or None."""
     total = 0
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -88,80 +80,52 @@ def cpu_ns(pid: int) -> int | None:
 def run(env, impls, params, progress) -> list[dict]:
     from fastmq.bench import floors
 
-    records = []
+    def rec(impl, n, spin, idle, latencies, window=None, pct=None, fine=None):
+        return [record(NAME, impl.name, n, None, "us", env, latencies, 1e3,
+                       warmup=params.wake_warmup, spin_s=spin, idle_before_s=idle,
+                       cpu_window_s=window, cpu_pct=pct and sum(pct) / len(pct),
+                       cpu_pct_max=pct and max(pct),
+                       cpu_pct_schedstat=fine and sum(fine) / len(fine))]
 
-    def record(impl, n, spin, idle, latencies, window=None, pct=None, fine=None):
-        records.append({
-            "scenario": NAME, "impl": impl.name, "n_readers": n, "size_bytes": None,
-            "unit": "us", "warmup": params.wake_warmup, "oversubscribed": env.oversubscribed(n),
-            "spin_s": spin, "idle_before_s": idle,
-            **summarize(latencies, 1e3), "samples_ns": latencies, "cpu_window_s": window,
-            "cpu_pct": pct and sum(pct) / len(pct), "cpu_pct_max": pct and max(pct),
-            "cpu_pct_schedstat": fine and sum(fine) / len(fine)})
+    def floor(impl, n):
+        # As long as fastmq's futex-mode writer sleeps: its spin phase plus the gap.
+        idle = IMPLS["fastmq-futex"].spin_s + params.wake_gap_s
+        wake = floors.wake_futex if impl.name == "floor-futex" else floors.wake_pipe
+        return rec(impl, n, 0.0, idle, wake(env, n, idle, params, progress))
 
-    for n in params.readers[NAME]:
-        for impl in impls:
-            progress.start(f"wake  {impl.name}  N={n}")
-            if impl.family == "floor":
-                # As long as fastmq's futex-mode writer sleeps: its spin phase plus the gap.
-                idle = IMPLS["fastmq-futex"].spin_s + params.wake_gap_s
-                record(impl, n, 0.0, idle,
-                       floors.wake_floor(env, impl.name, n, idle, params, progress))
-                continue
-            spin = impl.spin_s
-            idle = (spin or 0.0) + params.wake_gap_s
-            with ReaderGroup(env, impl, n, NAME, params) as g:
-                seq = 0
-
-                def one() -> list[int]:
-                    nonlocal seq
-                    seq += 1
-                    t0 = _now()
-                    g.send(("wake", seq, t0))
-                    acks = [g.ack(r) for r in range(n)]
-                    for r, a in enumerate(acks):
-                        if type(a) is not tuple or a[:3] != ("ok", seq, r) or len(a) != 4:
-                            raise g.bad_ack(r, a, ("ok", seq, r, "<latency>"))
-                    return [a[3] for a in acks]
-
-                for _ in range(params.wake_warmup):
-                    one()
-                latencies: list[int] = []
-                for i in range(params.wake_samples):
-                    progress.detail(f"sample {i + 1}/{params.wake_samples}")
-                    time.sleep(idle)
-                    latencies += one()
-                progress.detail(f"idle CPU over {params.idle_window_s:g} s")
-                ticks0 = [cpu_ticks(p) for p in g.pids]
-                ns0 = [cpu_ns(p) for p in g.pids]
-                t_a = time.monotonic()
-                time.sleep(params.idle_window_s)
-                ticks1 = [cpu_ticks(p) for p in g.pids]
-                ns1 = [cpu_ns(p) for p in g.pids]
-                window = time.monotonic() - t_a
-            record(impl, n, spin, idle, latencies, window,
+    def measure(g):
+        spin = g.impl.spin_s
+        idle = (spin or 0.0) + params.wake_gap_s
+        latencies: list[int] = []
+        for i in range(params.wake_warmup + params.wake_samples):
+            if i >= params.wake_warmup:
+                progress.detail(f"sample {i - params.wake_warmup + 1}/{params.wake_samples}")
+                time.sleep(idle)
+            acks = g.round_trip(("wake", i + 1, _now()), free=1)[1]
+            if i >= params.wake_warmup:
+                latencies += [a[3] for a in acks]
+        progress.detail(f"idle CPU over {params.idle_window_s:g} s")
+        ticks0, ns0 = [cpu_ticks(p) for p in g.pids], [cpu_ns(p) for p in g.pids]
+        t_a = time.monotonic()
+        time.sleep(params.idle_window_s)
+        ticks1, ns1 = [cpu_ticks(p) for p in g.pids], [cpu_ns(p) for p in g.pids]
+        window = time.monotonic() - t_a
+        return rec(g.impl, g.n, spin, idle, latencies, window,
                    [(b - a) / _CLK_TCK / window * 100 for a, b in zip(ticks0, ticks1)],
                    None if None in ns0 + ns1 else
                    [(b - a) / 1e9 / window * 100 for a, b in zip(ns0, ns1)])
-    return records
+
+    return groups(env, impls, params, progress, NAME, measure, floor)
+
+
+def _answer(seq, stamp, t1):
+    if t1 - stamp <= 0:
+        raise VerifyError(f"message {seq}: received before it was sent "
+                          f"({t1 - stamp} ns): not the message that was sent")
+    return (t1 - stamp,)
 
 
 def reader_loop(end, rank: int, params):
-    recv, reply = end.recv, end.reply
     # Readers sit idle through the gaps and the idle-CPU window by design.
-    timeout = max(params.timeout_s, params.idle_window_s + params.wake_gap_s + 5.0)
-    expect = 1
-    while True:
-        m = receive(recv, timeout, expect)
-        t1 = _now()
-        if m is None:
-            return {"received": expect - 1}
-        if type(m) is not tuple or len(m) != 3 or m[0] != "wake":
-            raise VerifyError(f"expected a wake message, received {type(m).__name__}")
-        expect_seq(expect, m[1])
-        one_way = t1 - m[2]
-        if one_way <= 0:
-            raise VerifyError(f"message {m[1]}: received before it was sent "
-                              f"({one_way} ns): not the message that was sent")
-        reply(("ok", m[1], rank, one_way), timeout)
-        expect += 1
+    return serve(end, rank, params, "wake", _answer, stamp=True, timeout=max(
+        params.timeout_s, params.idle_window_s + params.wake_gap_s + 5.0))
