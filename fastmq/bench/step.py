@@ -14,7 +14,7 @@ _BOTH = "remote both ways (vLLM's multi-node executor shape)"
 def _notes(rs, records) -> list[str]:
     names = {r["impl"] for r in rs}
     mc = [r for r in records if r["impl"] == "floor-memcpy"]
-    return ([f"floor-memcpy (one memcpy of the payload, p50): " + ", ".join(
+    return (["floor-memcpy (one memcpy of the payload, p50): " + ", ".join(
                 f"{fmt_size(r['size_bytes'])} {num(r['p50'])} us" for r in mc)] if mc else []) \
         + (["floor: the same round trip over bare shared memory in C (payload copied in, "
             "each reader copies it out and answers on its own cache line); floor+pickle, "
