@@ -200,20 +200,17 @@ cdef class RingEnd:
         return 0
 
     # -- what the roles define -------------------------------------------
+    # RingEnd is never made on its own, only as a RingWriter or RingReader:
+    # these say "not my turn" and "give up" so that a missing override
+    # shows up as a wait that never succeeds, never as a read of a chunk
+    # that is not ready.  Each role's spin_until is a loop over its own
+    # inline flag check, so a poll is no virtual call.
     cdef bint turn(self, int idx) noexcept nogil:
         return False
 
     cdef int spin_until(self, int idx, int64_t until_ns) noexcept nogil:
-        """1: ready, 0: ``until_ns`` passed, -1: cancelled.  (The roles
-        override this with a loop over their own inline flag check.)"""
-        cdef unsigned int i = 0
-        cdef int r
-        while not self.turn(idx):
-            i += 1
-            r = spin_tick(&self.cancelled, i, until_ns)
-            if r != 1:
-                return r
-        return 1
+        """1: ready, 0: ``until_ns`` passed, -1: cancelled."""
+        return 0
 
     cdef int check_peers(self, int idx) except -1:
         return ST_READY

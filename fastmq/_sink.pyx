@@ -4,7 +4,7 @@ message, and the message's out-of-band buffers.
 The pickler (the stdlib's C ``pickle.Pickler``) is built with a
 ``PickleSink`` as its file and ``PickleSink.on_buffer`` as its buffer
 callback, so pickling a message allocates no stream object: the ring frames
-straight from this buffer (``RingEnd.send_object``).  The sink never holds
+straight from this buffer (``RingWriter.send_object``).  The sink never holds
 the pickler (the pickler holds the sink): no reference cycle keeps the
 arena's mapping alive until a GC pass.
 

@@ -306,13 +306,6 @@ class QueueWriter:
                     "cannot make progress")
             status = ring.continue_wait()
 
-    def check_readers_alive(self) -> None:
-        """Raise if a local reader died or left: it can never take a message."""
-        ring = self.ring
-        if ring is not None and ring.peer_status() == READER_DIED:
-            raise RuntimeError(f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) "
-                               f"{_gone(ring)}; the writer cannot deliver to it")
-
     def _wait_flushed(self, tracker, until: float | None, where: str) -> None:
         """Wait until the message of ``tracker`` (sent on ``where``, not yet
         published in the ring) has left this process; between slices,
@@ -326,9 +319,13 @@ class QueueWriter:
                 raise RuntimeError("cancelled")
             if _overflow.flush_slice(tracker, until, where):
                 return
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + PEER_CHECK_S
-                self.check_readers_alive()
+            if time.monotonic() < next_check:
+                continue
+            next_check = time.monotonic() + PEER_CHECK_S
+            ring = self.ring
+            if ring.peer_status() == READER_DIED:
+                raise RuntimeError(f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) "
+                                   f"{_gone(ring)}; the writer cannot deliver to it")
 
     # -- raw chunk access ---------------------------------------------------------
     @contextmanager
