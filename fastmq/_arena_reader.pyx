@@ -35,12 +35,13 @@ from fastmq._native.atomic cimport fmq_load_u8_acq, fmq_load_u64_acq, fmq_store_
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, header_status,
                                     word32 as _u32, word64 as _u64)
 from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
-from fastmq._segment cimport Segment, _os_error
+from fastmq._segment cimport Segment, _os_error, open_locator
+from fastmq._segment import parse_locator
 from libc.errno cimport errno
 from libc.string cimport strerror
 from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
 from posix.mman cimport (MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE,
-                         mmap, shm_open)
+                         mmap)
 from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport close as c_close, getpid
 
@@ -116,25 +117,22 @@ cdef class ArenaReaderEnd(ArenaEnd):
         self.deferred = []
 
     @staticmethod
-    def attach(str name, int n_reader, Py_ssize_t slot_bytes, int n_slots, int reader_rank):
-        """Map reader ``reader_rank`` of arena segment ``name``; the header
+    def attach(str locator, int n_reader, Py_ssize_t slot_bytes, int n_slots, int reader_rank):
+        """Map reader ``reader_rank`` of the arena segment ``locator`` names
+        (``fastmq._segment.Segment.attach``); the header
         must match the handle.  The slots are mapped as the header says:
         copy-on-write (default) or shared."""
         if not (0 <= reader_rank < n_reader):
             raise ValueError("reader rank %d out of range for %d readers" % (reader_rank, n_reader))
         stride, flags_off, data_off, total = layout(n_reader, n_slots, slot_bytes)
-        cdef bytes bname = ("/" + name).encode()
-        cdef int fd = shm_open(bname, O_RDWR, 0)
-        if fd < 0:
-            raise _os_error(errno, "cannot open shared memory segment", name)
         cdef struct_stat st
+        cdef int fd = open_locator(locator, True, &st)
         cdef void *p
         cdef void *q
         cdef Segment seg
         cdef char *b
+        name = parse_locator(locator)[0]
         try:
-            if fstat(fd, &st) != 0:
-                raise _os_error(errno, "cannot stat shared memory segment", name)
             if st.st_size < HEADER:
                 raise ArenaError("shared memory segment %r (%d bytes) is too small to be a "
                                  "fastmq arena" % (name, st.st_size))

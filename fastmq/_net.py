@@ -5,46 +5,34 @@ import ipaddress
 import os
 import secrets
 import socket
-import tempfile
+
+import zmq
 
 IPC_PREFIX = "fastmq_"
 
 
-def new_ipc_path() -> tuple[str, str]:
-    """(zmq address, file path) of a fresh ipc endpoint owned by this process."""
-    path = os.path.join(tempfile.gettempdir(),
-                        f"{IPC_PREFIX}{os.getpid()}_{secrets.token_hex(6)}.ipc")
-    return f"ipc://{path}", path
+def bind_ipc(sock) -> str:
+    """Bind ``sock`` to a fresh ipc endpoint that only this user's
+    processes can connect to; return its zmq address.
 
-
-def bind_ipc(sock) -> tuple[str, str]:
-    """Bind ``sock`` to a fresh owner-only ipc endpoint; return (zmq address,
-    file path).
-
-    libzmq creates the socket file with the process umask (typically 0755;
-    connecting needs write permission, so a group-writable umask would let
-    other users subscribe).  A chmod after a bind at the public path leaves
-    a window in which another user could connect and stay connected (the
-    permission is only checked at connect time).  So the file is bound inside
-    a fresh 0700 directory, made 0600 there, and only then renamed to its
-    public name: it is never reachable with looser permissions.  Renaming
-    keeps the inode, so the bound socket answers at the new path.
+    The endpoint is in Linux's abstract socket namespace (``ipc://@...``):
+    it has no file, so a process that dies, however it dies, leaves none
+    behind; the name goes with the socket.  An abstract socket has no file
+    permissions, so libzmq checks each connecting peer's credentials
+    (``SO_PEERCRED``) against this process's user and drops any other
+    before it can subscribe (``IPC_FILTER_UID``, set before the bind: no
+    window in which a stranger's connection is accepted).
     """
-    addr, path = new_ipc_path()
-    private = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}_", suffix=".bind",
-                               dir=os.path.dirname(path))
-    staged = os.path.join(private, "s")
-    try:
-        sock.bind(f"ipc://{staged}")
-        os.chmod(staged, 0o600)
-        os.rename(staged, path)
-    finally:
-        for remove, p in ((os.unlink, staged), (os.rmdir, private)):
-            try:
-                remove(p)  # the staged name is gone once renamed
-            except OSError:
-                pass
-    return addr, path
+    uid_filter = getattr(zmq, "IPC_FILTER_UID", None)
+    if uid_filter is None:
+        raise RuntimeError(
+            f"this pyzmq/libzmq ({zmq.pyzmq_version()}/{zmq.zmq_version()}) cannot filter ipc "
+            "peers by user (ZMQ_IPC_FILTER_UID), which fastmq's local sockets need; "
+            "install pyzmq's wheel, which bundles a libzmq that can")
+    sock.setsockopt(uid_filter, os.getuid())
+    addr = f"ipc://@{IPC_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+    sock.bind(addr)
+    return addr
 
 
 def new_inproc_path() -> str:

@@ -27,7 +27,6 @@ import time
 
 import zmq
 
-from fastmq import segments
 from fastmq._ring import CorruptChunkError
 
 logger = logging.getLogger("fastmq")
@@ -181,13 +180,13 @@ def flush_slice(tracker, until: float | None, where: str) -> bool:
         return False
 
 
-def close_all(context, sockets, paths) -> None:
-    """Close an end's sockets and context and remove its ipc files.
+def close_all(context, sockets) -> None:
+    """Close an end's sockets and context.
 
     linger=0 loses nothing: enqueue() returned only after its message left
     the process (see FLUSH_FILL).  Not run at interpreter exit (pyzmq's
     term() can hang there when the context and its sockets are collected
-    together); segments.remove_at_exit still removes the ipc files then.
+    together); the ipc endpoints have no files, so nothing is left then.
     Teardown errors cannot be acted on, but are logged rather than dropped."""
     for s in sockets:
         try:
@@ -199,4 +198,3 @@ def close_all(context, sockets, paths) -> None:
             context.term()
     except Exception as e:
         logger.debug("fastmq: terminating a queue's ZMQ context failed: %r", e)
-    segments.remove_now(paths)

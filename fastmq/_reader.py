@@ -16,8 +16,7 @@ from typing import Any, Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastmq import (_config, _keys, _net, _overflow, _proc, _seal, _stream, _subscribers, _wire,
-                    cleanup)
+from fastmq import _config, _keys, _net, _overflow, _proc, _seal, _stream, _subscribers, _wire
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
                           WRITER_DIED, CorruptChunkError)
 from fastmq._serde import decode
@@ -164,11 +163,11 @@ class LocalReader(_ReaderEnd):
             # message that uses it raises, with the reason (as in vLLM).
             self.tensor_arena = arena.attach_for_queue(handle, self.local_reader_rank)
         except BaseException:
-            _overflow.close_all(context, sockets, [])
+            _overflow.close_all(context, sockets)
             if self.buffer is not None:
                 self.buffer.close()
             raise
-        self.zmq = (context, sockets, [])
+        self.zmq = (context, sockets)
         # What the ring calls per message (flush_releases, map_oob): the
         # arena's core, or the stand-in for an arena that failed to attach.
         self._arena_core = getattr(self.tensor_arena, "core", self.tensor_arena)
@@ -180,9 +179,6 @@ class LocalReader(_ReaderEnd):
         self.shutting_down = True
         ring = self.ring
         ring.cancel()
-        # A reader whose writer was killed removes the files that the writer
-        # could not (vLLM's queue gets this from the resource tracker).
-        cleanup.remove_dead_writer(ring)
         if self._cancel_send is not None:
             try:
                 self._cancel_send.send(b"\x00", zmq.NOBLOCK)
@@ -216,7 +212,6 @@ class LocalReader(_ReaderEnd):
         if status == WRITER_CLOSED:
             return RuntimeError(f"fastmq: the writer (pid {ring.writer_pid}) shut the "
                                 "queue down" + dead_peers_note())
-        cleanup.remove_dead_writer(ring)   # its files go with it
         return RuntimeError(f"fastmq: the writer (pid {ring.writer_pid}) died; no more "
                             "messages will come")
 
@@ -347,7 +342,7 @@ class RemoteReader:
         spin_us = getattr(handle, "spin_us", None)
         self.stream.spin_s = (_config.spin_us(None) if spin_us is None else spin_us) / 1e6
         self.stream.start_hello()
-        self.zmq = (None, [self.stream], [])
+        self.zmq = (None, [self.stream])
 
     def wait_until_ready(self) -> None:
         try:

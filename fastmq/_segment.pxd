@@ -1,4 +1,7 @@
+from posix.stat cimport struct_stat
+
 cdef object _os_error(int err, str what, str name)
+cdef int open_locator(str locator, bint writable, struct_stat *st) except -1
 
 cdef class Segment:
     cdef readonly str name
@@ -6,8 +9,9 @@ cdef class Segment:
     cdef readonly bint owner
     cdef char *addr
     cdef int fd
+    cdef unsigned long long inode
     cdef Py_ssize_t exports
     cdef bint close_pending
-    cdef bint unlinked
+    cdef bint readonly
 
     cdef int _unmap(self) except -1

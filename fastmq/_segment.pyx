@@ -1,103 +1,214 @@
 # cython: freethreading_compatible = False
-"""POSIX shared-memory segments, owned by a ``cdef class``.
+"""Shared-memory segments: anonymous memory files, owned by a ``cdef class``.
 
-We map segments ourselves (``shm_open`` + ``mmap``) rather than through
-``multiprocessing.shared_memory`` because:
+Every ring and arena lives in a ``memfd_create`` file, never in ``/dev/shm``:
 
-* segments are created owner-only (``0600``) and exclusively (``O_EXCL``), so
-  a name collision or a hostile pre-created file is an error, not a takeover;
-* the resource tracker stays out of it: only the creator unlinks;
-* the creator keeps the file descriptor, so that it can reserve pages
-  (``reserve``) before it writes into them: a write into a never-touched
-  page of a full tmpfs is a SIGBUS, a failed ``posix_fallocate`` is an
-  exception;
+* nothing has a name a crash could leave behind.  The kernel frees the
+  memory the moment the last descriptor and the last mapping of it are gone,
+  however the processes holding them ended (``kill -9`` included);
+* the file is sealed against growing and shrinking, so no holder can cut
+  it under another's mapping (a truncated shared mapping is a SIGBUS);
+* its size is not bounded by the ``/dev/shm`` mount (Docker's 64 MiB), only
+  by memory; ``reserve`` allocates pages up front (``posix_fallocate``), so
+  memory that cannot be had is an exception, not a fault mid-copy;
+* a reader on the same host opens the creator's descriptor through
+  ``/proc/<creator pid>/fd/<fd>``.  The kernel allows that only to a process
+  that may inspect the creator (the same user, by default), which is the
+  owner-only permission a ``0600`` file had.  The locator a handle carries
+  also names the file's inode, which the opener checks, so a reused pid or
+  descriptor number is refused rather than mapped;
 * the mapping's lifetime follows the buffers exported from it.  A tensor
   viewing an arena slot holds a buffer export on this object, and
   ``close()`` while exports are alive defers the ``munmap`` to the moment the
   last export is released, so no view can ever point at unmapped memory.
 """
-from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_FillInfo
-from libc.errno cimport errno, EEXIST, ENOENT, ENOSPC
+from cpython.buffer cimport PyBuffer_FillInfo
+from libc.errno cimport errno, EACCES, ENOENT, ENOMEM, ENOSPC, EPERM
 from libc.string cimport strerror
-from posix.fcntl cimport O_CREAT, O_EXCL, O_RDWR
-from posix.mman cimport (MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap,
-                         munmap, shm_open, shm_unlink)
+from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
+from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
 from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport close as c_close, ftruncate
 from posix.types cimport off_t
 
 cdef extern from "fcntl.h" nogil:
     int posix_fallocate(int fd, off_t offset, off_t length)
+    int fcntl(int fd, int cmd, ...)
+    enum:
+        F_ADD_SEALS
+        F_SEAL_SEAL
+        F_SEAL_SHRINK
+        F_SEAL_GROW
+
+cdef extern from "sys/mman.h" nogil:
+    int memfd_create(const char *name, unsigned int flags)
+    enum:
+        MFD_CLOEXEC
+        MFD_ALLOW_SEALING
 
 import os
 
 
-SHM_DIR = "/dev/shm"
-
-
 class ShmFullError(RuntimeError):
-    """/dev/shm has no room for pages that fastmq was about to write.
+    """The memory that a shared-memory segment needed could not be had.
 
-    Raised instead of the SIGBUS that writing into an unbacked tmpfs page
-    would deliver; nothing was written, and the same call works again once
-    space is back."""
+    Raised instead of the fault that touching an unbacked page would be:
+    nothing was written, and the same call works again once memory is
+    back."""
 
 
 def shm_full_error(str what, Py_ssize_t needed, str name):
     mib = float(1 << 20)
-    try:
-        st = os.statvfs(SHM_DIR)
-        size = "%.1f MiB, %.1f MiB free" % (st.f_blocks * st.f_frsize / mib,
-                                             st.f_bavail * st.f_frsize / mib)
-    except OSError:
-        size = "size unknown"
+    avail = memory_available()
     return ShmFullError(
-        "%s is full (%s): %s needs %.1f MiB more in segment %r. Nothing was "
-        "sent. Free space in %s or enlarge it (docker run --shm-size, or "
-        "--ipc=host), then retry." % (SHM_DIR, size, what, needed / mib, name, SHM_DIR))
+        "%s needs %.1f MiB of shared memory in segment %r, which this host (or this "
+        "container's memory limit) cannot give now (%s available). Nothing was "
+        "sent or created; free memory or raise the limit, then retry."
+        % (what, needed / mib, name,
+           "%.1f MiB" % (avail / mib) if avail >= 0 else "unknown"))
+
+
+def _read_int(str path):
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return -1
+    return int(text) if text.isdigit() else -1
+
+
+def memory_available():
+    """Bytes of memory a new page of shared memory can still come from: the
+    host's ``MemAvailable``, or this process's memory cgroup's room if that
+    is less; -1 when unknown.
+
+    Asked before pages are allocated on purpose: an anonymous memory file
+    has no size limit of its own, so allocating past what the host has
+    does not fail, it wakes the OOM killer."""
+    avail = -1
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            groups = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        groups = []
+    for _, controllers, path in groups:
+        if controllers == "":           # v2: the unified hierarchy
+            base = "/sys/fs/cgroup" + path
+            limit, used = _read_int(base + "/memory.max"), _read_int(base + "/memory.current")
+        elif "memory" in controllers.split(","):
+            base = "/sys/fs/cgroup/memory" + path
+            limit = _read_int(base + "/memory.limit_in_bytes")
+            used = _read_int(base + "/memory.usage_in_bytes")
+        else:
+            continue
+        if limit > 0 and used >= 0 and limit < (1 << 62):
+            room = max(0, limit - used)
+            avail = room if avail < 0 else min(avail, room)
+    return avail
 
 
 cdef object _os_error(int err, str what, str name):
     msg = "%s %r: %s" % (what, name, strerror(err).decode())
     if err == ENOENT:
         return FileNotFoundError(err, msg)
-    if err == EEXIST:
-        return FileExistsError(err, msg)
+    if err == EACCES or err == EPERM:
+        return PermissionError(err, msg)
     return OSError(err, msg)
 
 
+def parse_locator(str locator):
+    """``(name, creator pid, fd, inode)`` of a locator
+    ``fastmq_<pid>_<kind>_<hex>:<fd>:<inode>``; ValueError if it is not one."""
+    try:
+        name, fd, ino = locator.rsplit(":", 2)
+        pid = int(name.split("_")[1])
+        fd_n, ino_n = int(fd), int(ino)
+    except (ValueError, IndexError):
+        raise ValueError("%r is not a fastmq segment locator "
+                         "(fastmq_<pid>_<kind>_<id>:<fd>:<inode>)" % (locator,)) from None
+    if not name.startswith("fastmq_") or pid <= 0 or fd_n < 0 or ino_n <= 0:
+        raise ValueError("%r is not a fastmq segment locator" % (locator,))
+    return name, pid, fd_n, ino_n
+
+
+cdef int open_locator(str locator, bint writable, struct_stat *st) except -1:
+    """Open the segment ``locator`` names through its creator's descriptor
+    and check that it is that file.  Returns the descriptor (the caller
+    closes it).  FileNotFoundError when the creator or its descriptor is
+    gone (or this process cannot see it: another pid namespace),
+    PermissionError when the kernel does not let this process inspect the
+    creator."""
+    name, pid, fd_n, ino = parse_locator(locator)
+    cdef bytes path = ("/proc/%d/fd/%d" % (pid, fd_n)).encode()
+    cdef int fd = c_open(path, (O_RDWR if writable else O_RDONLY) | O_CLOEXEC)
+    if fd < 0:
+        err = errno
+        if err == ENOENT:
+            raise FileNotFoundError(
+                err, "fastmq segment %r is gone: its creator (pid %d) exited or closed it, "
+                "or is not visible from this process (another pid namespace or host)"
+                % (name, pid))
+        raise _os_error(err, "cannot open fastmq segment (through %s)" % path.decode(), name)
+    if fstat(fd, st) != 0:
+        err = errno
+        c_close(fd)
+        raise _os_error(err, "cannot stat fastmq segment", name)
+    if <unsigned long long>st.st_ino != <unsigned long long>ino:
+        c_close(fd)
+        raise FileNotFoundError(
+            ENOENT, "fastmq segment %r is gone: pid %d's descriptor %d is another file now "
+            "(the creator exited and its pid or descriptor was reused)" % (name, pid, fd_n))
+    return fd
+
+
 cdef class Segment:
-    """A mapped POSIX shared-memory segment (``/dev/shm/<name>``)."""
+    """A mapped shared-memory segment (an anonymous memory file)."""
 
     def __cinit__(self):
         self.addr = NULL
         self.size = 0
         self.exports = 0
         self.fd = -1
+        self.inode = 0
 
     @staticmethod
     def create(str name, Py_ssize_t size):
-        """Create and map a new segment of ``size`` bytes, mode 0600."""
+        """Create and map a new segment of ``size`` bytes, sealed at that
+        size.  ``name`` is what ``/proc/<pid>/fd`` shows (``memfd:<name>``)."""
         if size <= 0:
             raise ValueError("segment size must be positive, got %d" % size)
         cdef Segment self = Segment.__new__(Segment)
-        cdef bytes bname = ("/" + name).encode()
-        cdef int fd = shm_open(bname, O_CREAT | O_EXCL | O_RDWR, 0o600)
+        cdef bytes bname = name.encode()
+        cdef int fd = memfd_create(bname, MFD_CLOEXEC | MFD_ALLOW_SEALING)
         if fd < 0:
             raise _os_error(errno, "cannot create shared memory segment", name)
         cdef void *p
-        if ftruncate(fd, size) != 0:
+        cdef struct_stat st
+        if (ftruncate(fd, size) != 0
+                or fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0
+                or fstat(fd, &st) != 0):
             err = errno
-            shm_unlink(bname)
             c_close(fd)
-            raise _os_error(err, "cannot size shared memory segment", name)
+            if err == ENOMEM or err == ENOSPC:
+                raise shm_full_error("creating it", size, name)
+            raise _os_error(err, "cannot size and seal shared memory segment", name)
         p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
         if p == MAP_FAILED:
             err = errno
-            shm_unlink(bname)
             c_close(fd)
+            if err == ENOMEM:       # more address space than this process may have
+                raise shm_full_error("mapping it", size, name)
             raise _os_error(err, "cannot map shared memory segment", name)
         self.fd = fd
+        self.inode = st.st_ino
         self.addr = <char *>p
         self.size = size
         self.name = name
@@ -105,48 +216,70 @@ cdef class Segment:
         return self
 
     @staticmethod
-    def attach(str name):
-        """Map an existing segment; raises FileNotFoundError if it is gone."""
-        cdef Segment self = Segment.__new__(Segment)
-        cdef bytes bname = ("/" + name).encode()
-        cdef int fd = shm_open(bname, O_RDWR, 0)
-        if fd < 0:
-            raise _os_error(errno, "cannot open shared memory segment", name)
+    def attach(str locator, bint writable=True):
+        """Map the segment ``locator`` names (``Segment.locator`` on its
+        creator's side).  FileNotFoundError if it is gone; see
+        ``open_locator`` for the other failures."""
         cdef struct_stat st
+        cdef int fd = open_locator(locator, writable, &st)
+        cdef Segment self = Segment.__new__(Segment)
         cdef void *p
         try:
-            if fstat(fd, &st) != 0:
-                raise _os_error(errno, "cannot stat shared memory segment", name)
             if st.st_size <= 0:
-                raise ValueError("shared memory segment %r is empty" % name)
-            p = mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                raise ValueError("shared memory segment %r is empty" % locator)
+            p = mmap(NULL, st.st_size, PROT_READ | (PROT_WRITE if writable else 0),
+                     MAP_SHARED, fd, 0)
             if p == MAP_FAILED:
-                raise _os_error(errno, "cannot map shared memory segment", name)
+                raise _os_error(errno, "cannot map shared memory segment", locator)
         finally:
             c_close(fd)
         self.addr = <char *>p
         self.size = st.st_size
-        self.name = name
+        self.name = parse_locator(locator)[0]
+        self.inode = st.st_ino
         self.owner = False
+        self.readonly = not writable
         return self
 
+    @property
+    def locator(self):
+        """What another process passes to ``attach``: the name, the
+        creator's descriptor and the file's inode."""
+        if self.fd < 0:
+            raise ValueError("segment %r was not created by this process, or is closed"
+                             % self.name)
+        return "%s:%d:%d" % (self.name, self.fd, self.inode)
+
     def reserve(self, Py_ssize_t offset, Py_ssize_t length, str what="this write"):
-        """Allocate the pages of ``[offset, offset + length)`` in /dev/shm
-        now, so that writing them later cannot fault.  Raises
-        ``ShmFullError`` (naming ``what``) when /dev/shm is full, OSError on
-        other failures; only the creator can reserve."""
+        """Allocate the pages of ``[offset, offset + length)`` now, so that
+        writing them later cannot fault.  Raises ``ShmFullError`` (naming
+        ``what``) when the memory cannot be had, OSError on other failures;
+        only the creator can reserve."""
         if offset < 0 or length < 0 or offset > self.size or length > self.size - offset:
             raise ValueError("reserve(%d, %d) outside segment %r of %d bytes"
                              % (offset, length, self.name, self.size))
         if self.fd < 0:
             raise ValueError("segment %r was not created by this end" % self.name)
+        avail = memory_available()
+        if 0 <= avail < length:
+            raise shm_full_error(what, length, self.name)
         cdef int err
         with nogil:
             err = posix_fallocate(self.fd, offset, length)
-        if err == ENOSPC:
+        if err == ENOSPC or err == ENOMEM:
             raise shm_full_error(what, length, self.name)
         if err != 0:
             raise _os_error(err, "cannot reserve pages of shared memory segment", self.name)
+
+    def held_bytes(self):
+        """Bytes of memory the segment holds now (its allocated pages, shared
+        by every process that maps it); creator only."""
+        if self.fd < 0:
+            raise ValueError("segment %r was not created by this end" % self.name)
+        cdef struct_stat st
+        if fstat(self.fd, &st) != 0:
+            raise _os_error(errno, "cannot stat shared memory segment", self.name)
+        return st.st_blocks * 512
 
     @property
     def address(self):
@@ -157,19 +290,20 @@ cdef class Segment:
     def closed(self):
         return self.addr == NULL or self.close_pending
 
-    def unlink(self):
-        """Remove the name from /dev/shm (mappings stay valid). Idempotent."""
-        if self.unlinked:
-            return
-        self.unlinked = True
-        cdef bytes bname = ("/" + self.name).encode()
-        if shm_unlink(bname) != 0 and errno != ENOENT:
-            raise _os_error(errno, "cannot unlink shared memory segment", self.name)
+    def drop_descriptor(self):
+        """Close the creator's descriptor, keeping the mapping: for a forked
+        child, whose inherited copy would keep the memory alive for as long
+        as it runs but which never lets another process attach."""
+        if self.fd >= 0:
+            c_close(self.fd)
+            self.fd = -1
 
     def close(self):
         """Unmap now, or as soon as the last exported buffer is released."""
         if self.exports > 0:
             self.close_pending = True
+            # The descriptor goes now: no process can attach any more.
+            self.drop_descriptor()
         else:
             self._unmap()
 
@@ -185,7 +319,7 @@ cdef class Segment:
     def __getbuffer__(self, Py_buffer *view, int flags):
         if self.addr == NULL or self.close_pending:
             raise ValueError("shared memory segment %r is closed" % self.name)
-        PyBuffer_FillInfo(view, self, self.addr, self.size, 0, flags)
+        PyBuffer_FillInfo(view, self, self.addr, self.size, self.readonly, flags)
         self.exports += 1
 
     def __releasebuffer__(self, Py_buffer *view):

@@ -17,8 +17,7 @@ from typing import Any, Iterator
 
 import zmq
 
-from fastmq import (_config, _fanout, _keys, _net, _overflow, _seal, _subscribers, _wire, cleanup,
-                    segments)
+from fastmq import _config, _fanout, _keys, _net, _overflow, _seal, _subscribers, _wire
 from fastmq._ring import LONG_WAIT, PICKLER_STALE, READER_DIED, READY, WAIT_ZMQ
 from fastmq._serde import Encoder
 from fastmq.handle import BufferHandle, Handle
@@ -83,7 +82,7 @@ class QueueWriter:
         self._zmq_wakeup = False     # the ring notifies parked readers on a ZMQ socket
         self.buffer = self.ring = self.tensor_arena = None
         self.local_socket = self.notify_socket = self.fanout = None
-        self.zmq = (zmq.Context(), [], [])
+        self.zmq = (zmq.Context(), [])
         local_addrs = (None, None)
         security = None
         trust = _keys.new_writer_trust("none")
@@ -133,10 +132,7 @@ class QueueWriter:
                     wait_mode: str | None, spin_us: float | None) -> tuple[str, str | None]:
         """The ring and the ipc sockets of the local readers; their
         addresses (overflow, and notify in the ZMQ wait mode)."""
-        # Queues whose writer was killed leave files nobody else removes;
-        # a new local queue is when this host's /dev/shm is about to grow.
-        cleanup.reap_dead_queues()
-        context, sockets, paths = self.zmq
+        context, sockets = self.zmq
         self.buffer = ShmRingBuffer(n_local_reader, max_chunk_bytes, max_chunks,
                                     wait_mode=wait_mode, spin_us=spin_us)
         self.ring = ring = self.buffer.ring
@@ -147,9 +143,7 @@ class QueueWriter:
         # present (fastmq._subscribers), not events.
         self.local_socket.setsockopt(zmq.XPUB_VERBOSER, True)
         _overflow.tune_publisher(self.local_socket)
-        subscribe_addr, path = _net.bind_ipc(self.local_socket)
-        paths.append(path)
-        segments.remove_at_exit([path])
+        subscribe_addr = _net.bind_ipc(self.local_socket)
         notify_addr = None
         if ring.wait_mode == WAIT_ZMQ:
             # XPUB, not PUB: wait_until_ready() waits for every reader's
@@ -162,9 +156,7 @@ class QueueWriter:
             notify = self.notify_socket = context.socket(zmq.XPUB)
             notify.setsockopt(zmq.XPUB_VERBOSER, True)
             sockets.append(notify)
-            notify_addr, path = _net.bind_ipc(notify)
-            paths.append(path)
-            segments.remove_at_exit([path])
+            notify_addr = _net.bind_ipc(notify)
             ring.use_zmq_wakeup(notify)
             self._zmq_wakeup = True
         return subscribe_addr, notify_addr
@@ -492,8 +484,6 @@ class QueueWriter:
             if ring is not None:
                 framed = ring.framed_size(buffers)
                 overflow = framed > ring.max_chunk_bytes
-                # /dev/shm too must fail here, not after the commit point.
-                ring.reserve_next(framed)
             if overflow:
                 self._overflow_id += 1
                 _overflow.send_message(self.local_socket, self._overflow_id, buffers)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -62,10 +61,6 @@ READER_MODES = ("isolated", "shared")
 
 OPTION_NAMES = ("arena_slots", "arena_slot_mb", "arena_min_mb", "arena_prefault",
                 "arena_copy_threads", "arena_readers")
-
-
-class ShmSpaceError(RuntimeError):
-    """/dev/shm cannot hold the arena."""
 
 
 # -- sizing ------------------------------------------------------------------
@@ -187,19 +182,6 @@ def wanted(enable: Any) -> tuple[bool, bool]:
     return True, bool(enable) or raw != ""
 
 
-def _check_space(total: int, n_slots: int, slot_bytes: int) -> None:
-    what = f"the fastmq tensor arena ({n_slots} slots x {slot_bytes / MiB:g} MiB)"
-    try:
-        segments.check_shm_free_space(total, allocation_name=what)
-    except RuntimeError:
-        free = shutil.disk_usage(segments.SHM_PATH).free
-        raise ShmSpaceError(
-            f"Insufficient space in {segments.SHM_PATH} for {what}: {total / MiB:.0f} MiB "
-            f"required, {free / MiB:.0f} MiB free. Increase {segments.SHM_PATH} (e.g. "
-            "--shm-size or --ipc=host), lower FASTMQ_ARENA_SLOTS / FASTMQ_ARENA_SLOT_MB, or "
-            "turn the arena off (FASTMQ_ARENA=0).") from None
-
-
 # -- registry ------------------------------------------------------------------
 # Reader ends attached in this process, by segment name.  Weak: an entry
 # disappears with the last reference to that end (its queue and any view
@@ -221,17 +203,11 @@ def attach_error(name: str) -> str | None:
 
 
 # -- ends ------------------------------------------------------------------------
-def _close_writer(core: ArenaWriterEnd, creator_pid: int) -> None:
-    # The name goes now (no new attach); the mapping when the last
-    # reference to the core does (the encoder, a writer-side view).
+def _close_writer(core: ArenaWriterEnd) -> None:
+    # The descriptor goes now (no new attach); the mapping when the last
+    # reference to the core does (the encoder, a writer-side view); the
+    # memory when the readers' mappings go too.
     core.close()
-    if os.getpid() != creator_pid:
-        return  # a forked child must not remove its parent's segment
-    segments.forget_segment(core.name)
-    try:
-        core.segment.unlink()
-    except OSError:
-        pass
 
 
 class ShmTensorArena:
@@ -271,14 +247,16 @@ class ShmTensorArena:
     # No __init__: the object is complete when __new__ returns it, and
     # object.__init__ ignores the constructor's arguments.
 
-    def _set_end(self, core: ArenaWriterEnd | ArenaReaderEnd, n_reader: int, slot_bytes: int,
-                 n_slots: int, reader_rank: int) -> None:
+    def _set_end(self, core: ArenaWriterEnd | ArenaReaderEnd, name: str, n_reader: int,
+                 slot_bytes: int, n_slots: int, reader_rank: int) -> None:
         self.n_reader = n_reader
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
         self.reader_rank = reader_rank
         self.core = core
-        self.name = core.name
+        # The segment's locator: what a handle carries, what a reader
+        # attaches with and the key of this process's attached arenas.
+        self.name = name
         self.readers = "isolated" if core.isolated else "shared"
 
     def handle(self) -> tuple[int, int, int, str]:
@@ -309,7 +287,7 @@ class ShmTensorArena:
 
 class ArenaWriter(ShmTensorArena):
     """The writer's end: creates the segment, copies large buffers into
-    slots while a message is pickled, and removes the segment's name when
+    slots while a message is pickled, and lets go of the segment when
     closed or collected."""
 
     is_creator = True
@@ -323,21 +301,20 @@ class ArenaWriter(ShmTensorArena):
         if readers not in READER_MODES:
             raise ValueError(f"readers={readers!r} must be one of {READER_MODES}")
         total = layout(n_reader, n_slots, slot_bytes)[3]
-        _check_space(total, n_slots, slot_bytes)
-        seg = segments.create_segment("arena", total, "the fastmq tensor arena")
+        # Its pages are allocated as slots are first used (pre-faulted), so
+        # creating it takes no memory.
+        seg = segments.create_segment("arena", total)
         try:
             core = ArenaWriterEnd.create(seg, n_reader, n_slots, slot_bytes, min_bytes,
                                          copy_threads or default_copy_threads(), COPY_MIN_PART,
                                          prefault != "off", readers == "shared")
         except BaseException:
-            segments.forget_segment(seg.name)
-            seg.unlink()
             seg.close()
             raise
         self = object.__new__(cls)
-        self._set_end(core, n_reader, slot_bytes, n_slots, -1)
+        self._set_end(core, seg.locator, n_reader, slot_bytes, n_slots, -1)
         self.min_bytes = core.min_bytes
-        self._finalizer = weakref.finalize(self, _close_writer, core, os.getpid())
+        self._finalizer = weakref.finalize(self, _close_writer, core)
         if prefault == "all":
             core.prefault(range(n_slots))
         elif isinstance(prefault, int) and prefault > 0:
@@ -390,7 +367,7 @@ class ArenaWriter(ShmTensorArena):
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(size)
 
     def close(self) -> None:
-        """Remove the segment's name and stop background work now (also
+        """Let go of the segment (no new reader can attach) and stop background work now (also
         done when this object is collected)."""
         self._finalizer()
 
@@ -406,7 +383,7 @@ class ArenaReader(ShmTensorArena):
                 reader_rank: int) -> "ArenaReader":
         core = ArenaReaderEnd.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
         self = object.__new__(cls)
-        self._set_end(core, n_reader, slot_bytes, n_slots, reader_rank)
+        self._set_end(core, name, n_reader, slot_bytes, n_slots, reader_rank)
         _ARENAS[name] = self
         _ATTACH_ERRORS.pop(name, None)
         return self
@@ -463,8 +440,8 @@ def create_for_queue(enable: Any, options: dict, n_local_reader: int,
     """The writer's arena for a new ``MessageQueue``, or None: off, no local
     readers, or a remote reader (it receives pickled bytes over TCP and
     could not map slots).  Options are validated even when the arena is off.
-    A default-on arena that /dev/shm cannot hold is skipped with a warning;
-    an explicitly requested one raises ``RuntimeError``."""
+    A default-on arena that cannot be created is skipped with a warning; an
+    explicitly requested one raises."""
     size = sizing(options)
     on, explicit = wanted(enable)
     if not on or n_local_reader == 0 or n_remote_reader > 0:
@@ -473,7 +450,7 @@ def create_for_queue(enable: Any, options: dict, n_local_reader: int,
         return ShmTensorArena(n_local_reader, size.slot_bytes, size.n_slots,
                               min_bytes=size.min_bytes, prefault=size.prefault,
                               copy_threads=size.copy_threads, readers=size.readers)
-    except (ShmSpaceError, OSError) as e:
+    except OSError as e:
         if explicit:
             raise
         # str(e), not e: a record holding the exception would keep its
@@ -501,5 +478,5 @@ def attach_for_queue(handle: Any,
 
 
 __all__ = ["ShmTensorArena", "ArenaWriter", "ArenaReader", "MissingArenaReader", "ArenaError",
-           "ShmSpaceError", "SlotBuffer", "ArenaSizing", "sizing", "wanted", "attached",
+           "SlotBuffer", "ArenaSizing", "sizing", "wanted", "attached",
            "attach_error", "create_for_queue", "attach_for_queue", "is_descriptor"]

@@ -7,9 +7,8 @@ lists every fastmq queue on this host from its shared-memory segments (see
 
     fastmq cleanup [--dry-run]
 
-removes the shared-memory segments and ipc socket files of fastmq
-processes that died without removing them (see ``fastmq.cleanup``), one
-removed path per line on stdout.
+says that there is nothing to remove: fastmq keeps no files, and the kernel
+frees a queue's memory with its last process (see ``fastmq.cleanup``).
 """
 from __future__ import annotations
 
@@ -17,18 +16,6 @@ import argparse
 import json
 import sys
 import time
-
-
-def cleanup_hint(listing: dict) -> str | None:
-    """The line ``fastmq ls`` ends with when some queue's writer is dead:
-    its files stay until ``fastmq cleanup`` removes them."""
-    dead = [q["name"] for q in listing["queues"] if q["writer"]["state"] == "dead"]
-    if not dead:
-        return None
-    which, its = (("1 queue has", "its") if len(dead) == 1 else
-                  (f"{len(dead)} queues have", "their"))
-    return (f"{which} a dead writer: `fastmq cleanup` removes {its} files "
-            "(`fastmq cleanup --dry-run` lists them first).")
 
 
 def _ls(args) -> int:
@@ -39,8 +26,7 @@ def _ls(args) -> int:
         if args.json:
             # One document per line, so that a watched stream stays parseable.
             return json.dumps(listing, indent=None if args.watch else 2)
-        hint = cleanup_hint(listing)
-        return format_text(listing) + (f"\n{hint}" if hint else "")
+        return format_text(listing)
 
     if not args.watch:
         print(once())
@@ -72,13 +58,9 @@ def _interval(text: str) -> float:
 
 
 def _cleanup(args) -> int:
-    from fastmq.cleanup import cleanup
+    from fastmq.cleanup import NOTHING_LEFT
 
-    paths = cleanup(dry_run=args.dry_run)
-    for p in paths:
-        print(p)
-    verb = "would remove" if args.dry_run else "removed"
-    print(f"fastmq cleanup: {verb} {len(paths)} file(s) of dead processes", file=sys.stderr)
+    print(f"fastmq cleanup: nothing to remove. {NOTHING_LEFT}", file=sys.stderr)
     return 0
 
 
@@ -93,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                     "creating process, the ring's geometry and wait mode, each reader "
                     "(pid, alive or dead, the chunk it is on, how many messages it is "
                     "behind), parked readers, the tensor arena's slots in use and by whom, "
-                    "and the /dev/shm bytes used.")
+                    "and the shared memory each holds.")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("-w", "--watch", type=_interval, metavar="SECONDS",
                    help="refresh every SECONDS until interrupted (with --json: one "
@@ -101,12 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_ls)
     p = sub.add_parser(
         "cleanup",
-        help="remove shared-memory segments and ipc files left by dead fastmq processes",
-        description="Remove /dev/shm/fastmq_* segments and fastmq_*.ipc socket files "
-                    "whose creating process is dead; files of live queues are never "
-                    "touched. Prints each removed path.")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print what would be removed and remove nothing")
+        help="nothing to remove: fastmq keeps no files",
+        description="fastmq keeps no files (its shared memory is anonymous and freed by "
+                    "the kernel with the last process holding it), so there is nothing "
+                    "to remove; kept for scripts that call it.")
+    p.add_argument("--dry-run", action="store_true", help="accepted; changes nothing")
     p.set_defaults(func=_cleanup)
     args = parser.parse_args(argv)
     return args.func(args)

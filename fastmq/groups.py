@@ -8,11 +8,12 @@ object that has vLLM's ``StatelessProcessGroup`` methods.
 """
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Any
 
 from fastmq._segment import Segment
-from fastmq.segments import new_segment_name
+from fastmq.segments import SHM_PATH, new_segment_name
 
 
 class Group:
@@ -56,38 +57,51 @@ class Group:
         return self.pg.all_gather_obj(obj)
 
 
+def _shm_identity() -> tuple[int, int] | None:
+    try:
+        st = os.stat(SHM_PATH)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def same_node_as(ops: Group, source_rank: int) -> list[bool]:
-    """Which ranks can map the source rank's shared memory.
+    """Which ranks share the source rank's host, as the queue needs it: they
+    can map the source's segments, and they see the same ``/dev/shm``.
 
     The source writes a random token into a fresh segment; every rank tries
-    to map it and compares.  This is the property the queue needs (hostnames
-    lie across containers and namespaces; a shared /dev/shm does not)."""
+    to map it (through ``/proc``: the same host, pid namespace and user) and
+    compares.  Hostnames lie across containers and namespaces; this does
+    not.  The ``/dev/shm`` mount must match too: that is what vLLM's own
+    test of a shared node checks, so a process with a ``/dev/shm`` of its
+    own is another node to both."""
     seg = None
     if ops.rank == source_rank:
         token = secrets.token_bytes(16)
         seg = Segment.create(new_segment_name("probe"), 16)
         memoryview(seg)[:16] = token
-        msg = (seg.name, token)
+        msg = (seg.locator, token, _shm_identity())
     else:
         msg = None
     try:
-        name, token = ops.broadcast(msg, source_rank)
+        locator, token, shm = ops.broadcast(msg, source_rank)
         if ops.rank == source_rank:
             mine = True
+        elif _shm_identity() != shm:
+            mine = False
         else:
             try:
-                other = Segment.attach(name)
+                other = Segment.attach(locator, writable=False)
                 try:
                     mine = bytes(memoryview(other)[:16]) == token
                 finally:
                     other.close()
             except (OSError, ValueError):
                 mine = False
-        # The gather doubles as the barrier before the source unlinks.
+        # The gather doubles as the barrier before the source lets go.
         return [bool(x) for x in ops.all_gather(mine)]
     finally:
         if seg is not None:
-            seg.unlink()
             seg.close()
 
 

@@ -2,9 +2,16 @@
 
 The user's side: docs/operations.md, "Inspecting".
 
-Everything comes from the shared-memory headers (``fastmq._snapshot``) and
-from ``/proc``.  Segments are opened ``O_RDONLY`` and mapped ``PROT_READ``:
-looking at a live queue never writes to it, so it cannot disturb the queue.
+Segments have no path (fastmq/_segment.pyx): they are found through
+``/proc``, as the descriptors (``/proc/<pid>/fd``, ``memfd:fastmq_...``)
+and mappings (``/proc/<pid>/maps``) of the processes the caller may
+inspect.  A segment is opened through its creator's descriptor, or, once
+the creator is gone, through a mapping (``/proc/<pid>/map_files``, which
+the kernel opens only for a caller with ``CAP_SYS_ADMIN``; for others such
+a segment is listed with the reason it cannot be read).  Everything else
+comes from the shared-memory headers (``fastmq._snapshot``).  Segments are
+opened ``O_RDONLY`` and mapped ``PROT_READ``: looking at a live queue never
+writes to it, so it cannot disturb the queue.
 
 Where each reader is comes from two counters in the ring header: the
 messages the writer has published and, in each reader slot, the messages
@@ -13,22 +20,21 @@ a reader that has read ``n`` messages waits on chunk ``n % max_chunks`` and
 is ``published - n`` messages behind.  The counters are read one after the
 other while the queue runs: a moment's view, not an atomic one.
 
-Run it in the pid namespace of the processes that use the queues (as with
-``fastmq cleanup``): from another namespace every pid looks dead.
+Run it in the pid namespace of the processes that use the queues: from
+another one they are not visible.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import re
-import shutil
-import stat
 import time
 
 from fastmq import _arena, _proc, _ring, _snapshot
-from fastmq.segments import SEGMENT_PREFIX, SHM_PATH
+from fastmq.segments import SEGMENT_PREFIX
 
-_SEGMENT = re.compile(rf"^{SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+$")
+_SEGMENT = re.compile(rf"^/memfd:({SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+)(?: \(deleted\))?$")
+_MARK = f"/memfd:{SEGMENT_PREFIX}"
 WAIT_MODES = {_ring.WAIT_SPIN: "spin", _ring.WAIT_FUTEX: "futex", _ring.WAIT_ZMQ: "zmq"}
 
 
@@ -56,49 +62,97 @@ def _process(pid: int, started: int = 0) -> dict:
     return {"pid": pid, "name": _comm(pid) if alive else None, "alive": alive}
 
 
-def _read_segment(path: str, reader):
-    """``(snapshot, size, used_bytes)`` of the segment at ``path``, mapped
-    read-only; ``snapshot`` is an error string when it cannot be read."""
-    # No following links, no blocking on a FIFO planted under our prefix.
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        used = st.st_blocks * 512
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular file", st.st_size, used
-        if st.st_size == 0:
-            return "empty segment", 0, used
-        m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    try:
-        return reader(m), st.st_size, used
-    except (_ring.SegmentMismatchError, _arena.ArenaError) as e:
-        return str(e), st.st_size, used
-    finally:
-        m.close()
+class _Seen:
+    """One segment as /proc shows it: its name, and the ways to open it."""
+
+    def __init__(self, name: str, pid: int, kind: str):
+        self.name, self.name_pid, self.kind = name, pid, kind
+        self.paths: list[str] = []      # /proc/<pid>/fd/<n> first, then map_files
+        self.mappers: set[int] = set()
+        self.holders: set[int] = set()
 
 
-def _mappers() -> dict[str, set[int]]:
-    """Segment name -> pids that map it, from ``/proc/*/maps`` (processes
-    this user may inspect)."""
-    out: dict[str, set[int]] = {}
-    marker = f" {SHM_PATH}/{SEGMENT_PREFIX}"
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+def _scan() -> dict[int, _Seen]:
+    """Every fastmq segment that a process this caller may inspect holds
+    (a descriptor) or maps, by inode."""
+    seen: dict[int, _Seen] = {}
+
+    def entry(link: str) -> _Seen | None:
+        m = _SEGMENT.match(link)
+        return None if m is None else _Seen(m[1], int(m[2]), m[3])
+
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
             continue
+        fd_dir = f"/proc/{pid}/fd"
         try:
-            with open(f"/proc/{entry}/maps") as f:
-                lines = [ln for ln in f if marker in ln]
+            fds = os.listdir(fd_dir)
+        except OSError:
+            fds = []
+        for fd in fds:
+            path = f"{fd_dir}/{fd}"
+            try:
+                link = os.readlink(path)
+                if not link.startswith(_MARK):
+                    continue
+                ino = os.stat(path).st_ino
+            except OSError:
+                continue
+            e = entry(link)
+            if e is not None:
+                s = seen.setdefault(ino, e)
+                s.paths.insert(0, path)
+                s.holders.add(int(pid))
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                lines = [ln for ln in f if _MARK in ln]
         except OSError:
             continue
         for ln in lines:
-            name = ln.rsplit("/", 1)[-1].split()[0]
-            out.setdefault(name, set()).add(int(entry))
-    return out
+            # range perms offset dev inode path
+            parts = ln.split(None, 5)
+            if len(parts) < 6:
+                continue
+            e = entry(parts[5].rstrip("\n"))
+            if e is None:
+                continue
+            s = seen.setdefault(int(parts[4]), e)
+            s.mappers.add(int(pid))
+            if int(parts[2], 16) == 0:
+                s.paths.append(f"/proc/{pid}/map_files/{parts[0]}")
+    return seen
 
 
-def _ring_entry(name: str, snap: dict, size: int, used: int) -> dict:
+def _read_segment(seg: _Seen, reader):
+    """``(snapshot, size, held_bytes)`` of a segment, mapped read-only;
+    ``snapshot`` is an error string when it cannot be read, and None when
+    ``reader`` is (a kind not read: only its size is wanted)."""
+    err = "no process holds or maps it any more"
+    for path in seg.paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as e:
+            err = f"cannot open {path}: {e.strerror or e}"
+            continue
+        try:
+            st = os.fstat(fd)
+            if reader is None:
+                return None, st.st_size, st.st_blocks * 512
+            if st.st_size == 0:
+                return "empty segment", 0, 0
+            m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            return reader(m), st.st_size, st.st_blocks * 512
+        except (_ring.SegmentMismatchError, _arena.ArenaError) as e:
+            return str(e), st.st_size, st.st_blocks * 512
+        finally:
+            m.close()
+    return err, None, None
+
+
+def _ring_entry(seg: _Seen, snap: dict, size: int, used: int) -> dict:
     writer_next, pos = positions(snap["published"], snap["reads"], snap["max_chunks"])
     readers = []
     for rank, ((pid, started), left, p) in enumerate(zip(snap["readers"], snap["left"], pos)):
@@ -115,8 +169,8 @@ def _ring_entry(name: str, snap: dict, size: int, used: int) -> dict:
     writer["next_chunk"] = writer_next
     writer["parked"] = bool(snap["writer_parked"])
     return {
-        "name": name,
-        "path": os.path.join(SHM_PATH, name),
+        "name": seg.name,
+        "mapped_by": sorted(seg.mappers),
         "writer": writer,
         "n_reader": snap["n_reader"],
         "max_chunks": snap["max_chunks"],
@@ -126,24 +180,24 @@ def _ring_entry(name: str, snap: dict, size: int, used: int) -> dict:
         "readers": readers,
         "parked_readers": snap["readers_parked"],
         "segment_bytes": size,
-        "shm_used_bytes": used,
+        "held_bytes": used,
         "arena": None,
     }
 
 
-def _arena_entry(name: str, snap: dict, size: int, used: int) -> dict:
+def _arena_entry(seg: _Seen, snap: dict, size: int, used: int) -> dict:
     in_use = [{"slot": s, "ranks": [r for r, d in enumerate(done) if d == 0]}
               for s, (_epoch, written, done) in enumerate(snap["slots"])
               if written == 1 and 0 in done]
     return {
-        "name": name,
-        "path": os.path.join(SHM_PATH, name),
+        "name": seg.name,
+        "mapped_by": sorted(seg.mappers),
         "n_reader": snap["n_reader"],
         "n_slots": snap["n_slots"],
         "slot_bytes": snap["slot_bytes"],
         "slots_in_use": in_use,
         "segment_bytes": size,
-        "shm_used_bytes": used,
+        "held_bytes": used,
     }
 
 
@@ -156,15 +210,11 @@ def _pair_arenas(rings: list[dict], arenas: list[tuple[int, dict]]) -> list[dict
     reader count is the match, and when a process has several, the one
     mapped by exactly the same processes."""
     unmatched = []
-    mapped = None
     for pid, a in arenas:
         cands = [q for q in rings if q["arena"] is None and q["name_pid"] == pid
                  and q["n_reader"] == a["n_reader"]]
         if len(cands) > 1:
-            if mapped is None:
-                mapped = _mappers()
-            who = mapped.get(a["name"], set())
-            cands = [q for q in cands if mapped.get(q["name"], set()) == who]
+            cands = [q for q in cands if q["mapped_by"] == a["mapped_by"]]
         if len(cands) == 1:
             cands[0]["arena"] = a
         else:
@@ -183,62 +233,48 @@ def _with_arena_pids(q: dict) -> None:
                           for r in use["ranks"]]
 
 
-def list_queues(shm_path: str = SHM_PATH) -> dict:
-    """Every fastmq segment under ``shm_path``, as one JSON-able dict:
-    ``queues`` (one per ring, with its arena), ``arenas`` (arenas not paired
-    with a ring), ``other`` (other fastmq segments, or ones that could not
-    be read, with the reason) and ``shm`` (bytes used by fastmq, and the
-    filesystem's size and free bytes)."""
+def list_queues() -> dict:
+    """Every fastmq segment on this host that a process the caller may
+    inspect holds or maps, as one JSON-able dict: ``queues`` (one per ring,
+    with its arena), ``arenas`` (arenas not paired with a ring), ``other``
+    (other fastmq segments, or ones that could not be read, with the
+    reason) and ``memory`` (bytes the segments hold, and the host's
+    available memory)."""
     rings, arenas, other = [], [], []
-    try:
-        names = sorted(os.listdir(shm_path))
-    except OSError:
-        names = []
-    for name in names:
-        m = _SEGMENT.match(name)
-        if not m:
-            continue
-        pid, kind = int(m[1]), m[2]
-        path = os.path.join(shm_path, name)
-        reader = {"ring": _snapshot.ring_snapshot, "arena": _snapshot.arena_snapshot}.get(kind)
-        try:
-            if reader is None:
-                st = os.lstat(path)
-                other.append({"name": name, "path": path, "kind": kind, "error": None,
-                              "segment_bytes": st.st_size,
-                              "shm_used_bytes": st.st_blocks * 512})
-                continue
-            snap, size, used = _read_segment(path, reader)
-        except FileNotFoundError:
-            continue  # gone since listdir
-        except OSError as e:
-            other.append({"name": name, "path": path, "kind": kind,
-                          "error": e.strerror or str(e), "segment_bytes": None,
-                          "shm_used_bytes": None})
-            continue
-        if isinstance(snap, str):
-            other.append({"name": name, "path": path, "kind": kind, "error": snap,
-                          "segment_bytes": size, "shm_used_bytes": used})
-        elif kind == "ring":
-            q = _ring_entry(name, snap, size, used)
-            q["name_pid"] = pid
+    for seg in sorted(_scan().values(), key=lambda x: x.name):
+        reader = {"ring": _snapshot.ring_snapshot,
+                  "arena": _snapshot.arena_snapshot}.get(seg.kind)
+        snap, size, used = _read_segment(seg, reader)
+        if reader is None or isinstance(snap, str):
+            other.append({"name": seg.name, "kind": seg.kind, "error": snap,
+                          "mapped_by": sorted(seg.mappers), "segment_bytes": size,
+                          "held_bytes": used})
+        elif seg.kind == "ring":
+            q = _ring_entry(seg, snap, size, used)
+            q["name_pid"] = seg.name_pid
             rings.append(q)
         else:
-            arenas.append((pid, _arena_entry(name, snap, size, used)))
+            arenas.append((seg.name_pid, _arena_entry(seg, snap, size, used)))
     lone_arenas = _pair_arenas(rings, arenas)
     for q in rings:
         del q["name_pid"]
         _with_arena_pids(q)
-    used = sum(x["shm_used_bytes"] or 0 for x in rings + lone_arenas + other)
-    used += sum(q["arena"]["shm_used_bytes"] for q in rings if q["arena"])
+    used = sum(x["held_bytes"] or 0 for x in rings + lone_arenas + other)
+    used += sum(q["arena"]["held_bytes"] for q in rings if q["arena"])
+    return {"host_time": time.time(), "queues": rings, "arenas": lone_arenas,
+            "other": other,
+            "memory": {"fastmq_held_bytes": used, "available_bytes": _available()}}
+
+
+def _available() -> int | None:
     try:
-        du = shutil.disk_usage(shm_path)
-        fs = {"size_bytes": du.total, "free_bytes": du.free}
-    except OSError:
-        fs = {"size_bytes": None, "free_bytes": None}
-    return {"host_time": time.time(), "shm_path": shm_path, "queues": rings,
-            "arenas": lone_arenas, "other": other,
-            "shm": {"fastmq_used_bytes": used, **fs}}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 # -- text ---------------------------------------------------------------------
@@ -270,8 +306,8 @@ def _table(rows: list[list[str]], indent: str) -> list[str]:
 
 def _arena_lines(a: dict, indent: str) -> list[str]:
     head = (f"{indent}arena {a['name']}: {a['n_slots']} x {_size(a['slot_bytes'])} slots, "
-            f"{len(a['slots_in_use'])} in use; /dev/shm {_size(a['segment_bytes'])} "
-            f"reserved, {_size(a['shm_used_bytes'])} used")
+            f"{len(a['slots_in_use'])} in use; {_size(a['segment_bytes'])}, "
+            f"{_size(a['held_bytes'])} of it held")
     lines = [head]
     for u in a["slots_in_use"]:
         who = u.get("readers")
@@ -293,8 +329,8 @@ def format_text(listing: dict) -> str:
         out.append(
             f"  ring {q['max_chunks']} x {_size(q['max_chunk_bytes'])} chunks, "
             f"{q['n_reader']} local reader{'s' if q['n_reader'] != 1 else ''}, "
-            f"wait {q['wait_mode']} (spin {q['spin_us']:g} us); /dev/shm "
-            f"{_size(q['segment_bytes'])} reserved, {_size(q['shm_used_bytes'])} used")
+            f"wait {q['wait_mode']} (spin {q['spin_us']:g} us); "
+            f"{_size(q['segment_bytes'])}, {_size(q['held_bytes'])} of it held")
         out.append(f"  writer next chunk {_chunk(w['next_chunk'])}"
                    f"{', parked (ring full)' if w['parked'] else ''}; "
                    f"parked readers: {q['parked_readers']}")
@@ -312,14 +348,14 @@ def format_text(listing: dict) -> str:
         out.append("")
     for o in listing["other"]:
         what = f"unreadable: {o['error']}" if o["error"] else f"{o['kind']} segment"
-        out.append(f"{o['name']}  {what}; /dev/shm {_size(o['segment_bytes'])}")
+        out.append(f"{o['name']}  {what}; {_size(o['segment_bytes'])}")
     if listing["other"]:
         out.append("")
-    shm = listing["shm"]
+    mem = listing["memory"]
     n = len(listing["queues"])
-    out.append(f"{n} queue{'s' if n != 1 else ''}; fastmq uses {_size(shm['fastmq_used_bytes'])} "
-               f"of {listing['shm_path']} ({_size(shm['free_bytes'])} free of "
-               f"{_size(shm['size_bytes'])})")
+    out.append(f"{n} queue{'s' if n != 1 else ''}; fastmq's segments hold "
+               f"{_size(mem['fastmq_held_bytes'])} of shared memory "
+               f"({_size(mem['available_bytes'])} available on this host)")
     return "\n".join(out)
 
 

@@ -5,7 +5,6 @@ that an error can name a peer process that is gone (``dead_peers_note``).
 """
 from __future__ import annotations
 
-import os
 import weakref
 from contextlib import contextmanager
 from typing import Iterator
@@ -15,7 +14,7 @@ from fastmq._ring import RingEnd, layout
 from fastmq._ring_reader import RingReader
 from fastmq._ring_writer import RingWriter
 from fastmq._segment import Segment
-from fastmq.segments import create_segment, forget_segment
+from fastmq.segments import create_segment
 
 
 # Every ring end open in this process (weak; an end leaves on close), so
@@ -61,11 +60,13 @@ def dead_peers_note() -> str:
 class ShmRingBuffer:
     """The ring segment of a ``MessageQueue`` (vLLM-compatible surface).
 
-    ``ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)`` creates a ring;
-    passing ``name`` attaches to an existing one (pickling an instance does
-    exactly that on the other side).  A name that no longer exists is
-    tolerated, as in vLLM, because handles are also unpickled on other nodes
-    where the segment is never used; such an instance has no ``ring``.
+    ``ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)`` creates a ring
+    (its memory reserved at once: ``ShmFullError`` if it cannot be had);
+    passing ``name`` (the creator's ``name``, a segment locator) describes an
+    existing one, which ``attach_reader`` maps (pickling an instance does
+    exactly that on the other side).  As in vLLM, a name that cannot be
+    mapped here is no error until it is used, because handles are also
+    unpickled on other nodes where the segment never is.
     """
 
     def __init__(
@@ -87,17 +88,13 @@ class ShmRingBuffer:
         self.segment: Segment | None = None
         if name is None:
             self.is_creator = True
-            # The writer reserves a chunk's pages as messages first reach
-            # them (ShmFullError for one that does not fit): what must fit
-            # now is the header and one chunk, the largest message the ring
-            # carries, not the whole ring (which is why vLLM's default 16 MiB
-            # x 10 ring serves in Docker's 64 MiB /dev/shm).
-            seg = create_segment("ring", self.total_bytes_of_buffer,
-                                 "the message queue ring buffer (its header and one "
-                                 f"{max_chunk_bytes / (1 << 20):g} MiB chunk)",
-                                 required=layout(n_reader, max_chunk_bytes, max_chunks)[2]
-                                 + max_chunk_bytes)
+            seg = create_segment("ring", self.total_bytes_of_buffer)
             try:
+                # All of it now: a message can then never find its chunk
+                # without memory (a clear error here instead).
+                seg.reserve(0, self.total_bytes_of_buffer,
+                            f"the message queue ring ({max_chunks} x "
+                            f"{max_chunk_bytes / (1 << 20):g} MiB chunks)")
                 pid, started = _proc.me()
                 self.ring = RingWriter.create(
                     seg, n_reader, max_chunk_bytes, max_chunks,
@@ -106,29 +103,24 @@ class ShmRingBuffer:
                     _proc.pid_namespace(),
                 )
             except BaseException:
-                forget_segment(seg.name)
-                seg.unlink()
                 seg.close()
                 raise
             self.segment = seg
-            self._creator_pid = os.getpid()
+            self._name = seg.locator
             _open_rings.add(self)
         else:
+            # Mapped by attach_reader(): a handle is also unpickled on other
+            # nodes, where it is never used, and mapping it there would
+            # hold the writer's memory for nothing.
             self.is_creator = False
-            try:
-                self.segment = Segment.attach(name)
-            except FileNotFoundError:
-                # Deserialised on another node: never used there.
-                self.segment = None
-        self._name = name if name is not None else self.segment.name
+            self._name = name
         self.closed = False
 
     def attach_reader(self, reader_rank: int) -> RingReader:
+        """Map the ring and take reader ``reader_rank``'s slot.
+        FileNotFoundError when its writer is gone or not on this host."""
         if self.segment is None:
-            raise FileNotFoundError(
-                f"fastmq ring segment {self._name!r} does not exist on this node "
-                "(its writer is gone, or this process is on another machine)"
-            )
+            self.segment = Segment.attach(self._name)
         self.ring = RingReader.attach(self.segment, self.n_reader, self.max_chunk_bytes,
                                      self.max_chunks, reader_rank)
         _open_rings.add(self)
@@ -168,11 +160,6 @@ class ShmRingBuffer:
         if self.ring is not None:
             self.ring.close()
         if self.segment is not None:
-            # A forked child inherits this object but must not remove its
-            # parent's segment.
-            if self.is_creator and getattr(self, "_creator_pid", None) == os.getpid():
-                forget_segment(self.segment.name)
-                self.segment.unlink()
             self.segment.close()
 
     def __del__(self):

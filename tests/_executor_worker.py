@@ -97,24 +97,44 @@ def __getattr__(name):
 
 # -- the engine process ----------------------------------------------------------------
 def _files_of(pids) -> list[str]:
+    """What ``pids`` made and is still there: files named after them
+    (fastmq makes none) and, as ``memfd:<name>``, their segments that any
+    process of the host still holds or maps."""
+    from _held import segments_made_by
+
     tmp = tempfile.gettempdir()
     out = []
     for pid in pids:
         out += glob.glob(f"/dev/shm/fastmq_{pid}_*")
         out += glob.glob(os.path.join(tmp, f"fastmq_{pid}_*"))
-    return sorted(out)
+    for names in segments_made_by(pids).values():
+        out += [f"memfd:{n}" for n in names]
+    return sorted(set(out))
 
 
 def _segments_of(mq) -> list[str]:
-    """/dev/shm paths of the ring (and arena) behind a queue end, fastmq's
-    or vLLM's."""
+    """The ring (and arena) behind a queue end: ``memfd:<name>`` for
+    fastmq's, the /dev/shm path for vLLM's."""
     buf = mq.buffer
     shared = getattr(buf, "shared_memory", None)      # vLLM's ShmRingBuffer
-    names = [shared.name if shared is not None else buf.name]
+    if shared is not None:
+        names = [os.path.join("/dev/shm", shared.name.lstrip("/"))]
+    else:
+        names = [f"memfd:{buf.name.split(':')[0]}"]
     arena = getattr(mq, "tensor_arena", None)
     if arena is not None and getattr(arena, "name", None):
-        names.append(arena.name)
-    return [os.path.join("/dev/shm", n.lstrip("/")) for n in names]
+        names.append(f"memfd:{arena.name.split(':')[0]}" if shared is None else
+                     os.path.join("/dev/shm", arena.name.lstrip("/")))
+    return names
+
+
+def _still_there(segments) -> list[str]:
+    from _held import holders_of
+
+    held = set().union(*holders_of(s[len("memfd:"):] for s in segments
+                                   if s.startswith("memfd:")).values())
+    return [s for s in segments
+            if (s[len("memfd:"):] in held if s.startswith("memfd:") else os.path.exists(s))]
 
 
 def _alive(pid: int) -> bool:
@@ -244,9 +264,9 @@ def round_trips(model_dir: str) -> dict:
     import time
 
     settle = time.monotonic() + 10
-    while any(os.path.exists(p) for p in out["segments"]) and time.monotonic() < settle:
+    while _still_there(out["segments"]) and time.monotonic() < settle:
         time.sleep(0.05)
-    out["segments_after_shutdown"] = [p for p in out["segments"] if os.path.exists(p)]
+    out["segments_after_shutdown"] = _still_there(out["segments"])
     out["tmpdir_after_shutdown"] = _tmpdir()
     return out
 

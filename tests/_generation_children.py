@@ -25,9 +25,11 @@ its worker ends or it is stopped (SIGTERM).  Each prints ``PIDS`` and
 
 ``inspect``: after the front is gone, wait until every process listed in
 ``--pids`` has exited (with ``--kill-orphans``, SIGKILL those still running
-after ``--wait`` seconds), list fastmq's files in ``/dev/shm`` and the ipc
-directory, then create one fastmq queue (which reaps what dead processes
-left) and list again.  Prints ``LEFT {...}``.
+after ``--wait`` seconds), then list, at once (no later process cleans
+anything up): fastmq's files in ``/dev/shm`` and the temporary directory,
+the processes anywhere on the host that still hold or map a segment made by
+one of this run's processes, and ``Shmem`` from ``/proc/meminfo`` with the
+bytes this run's private ``/dev/shm`` holds.  Prints ``LEFT {...}``.
 """
 from __future__ import annotations
 
@@ -45,6 +47,17 @@ import time
 def fastmq_files() -> list[str]:
     tmp = tempfile.gettempdir()
     return sorted(glob.glob("/dev/shm/fastmq_*") + glob.glob(os.path.join(tmp, "fastmq_*")))
+
+
+ARENA_PROBE_BYTES = 64 << 20
+
+
+def holders(creators: set[int]) -> dict[str, list[str]]:
+    """pid -> the fastmq segments made by ``creators`` that it holds (a
+    descriptor) or maps, over every process of the host."""
+    from _held import segments_made_by
+
+    return {str(k): sorted(v) for k, v in segments_made_by(creators).items()}
 
 
 def _announce(a, pids: dict) -> dict:
@@ -66,6 +79,11 @@ def front(a) -> int:
     result["pids"] = pids = _announce(a, {**g.engine_pids(), "front": os.getpid()})
     result["tokens"] = {str(n): g.generate(llm, g.PROMPTS[:n], 16) for n in (1, 4)}
     if a.then == "del":
+        # A multimodal-sized tensor through the scheduler broadcast.
+        import torch
+
+        big = torch.ones(ARENA_PROBE_BYTES // 4, dtype=torch.float32)
+        result["arena_probe"] = llm.collective_rpc(g.arena_probe, args=(big,))
         del llm
         gc.collect()
         result["left_after_del"] = fastmq_files()
@@ -182,15 +200,12 @@ def inspect(a) -> int:
         out["killed_orphans"] = out["still_running"]
         out["still_running"] = [x for x in pids if _alive(x)]
     out["left"] = fastmq_files()
-    from fastmq import MessageQueue
+    out["held"] = holders(set(pids))
+    from _held import shmem_bytes
 
-    q = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2,
-                     enable_shm_tensor_arena=False)
-    q.shutdown()
-    del q
-    gc.collect()
-    out["left_after_next_queue"] = [f for f in fastmq_files()
-                                    if f"fastmq_{os.getpid()}_" not in f]
+    out["shmem"] = shmem_bytes()
+    st = os.statvfs("/dev/shm")
+    out["dev_shm_used"] = (st.f_blocks - st.f_bfree) * st.f_frsize
     print("LEFT " + json.dumps(out), flush=True)
     return 0
 

@@ -55,9 +55,10 @@ def reader_main(conn, handle, rank: int, k: int):
 
 
 def demo() -> str:
-    """The README's ``fastmq ls`` output: the queue test_ls builds (readers
-    that read 3, 1 and 0 of 3 messages; reader 0 then parked, reader 2
-    killed), listed alone so that other queues on the host stay out."""
+    """The ``fastmq ls`` output in docs/operations.md: the queue test_ls
+    builds (readers that read 3, 1 and 0 of 3 messages; reader 0 then
+    parked, reader 2 killed), listed alone so that other queues on the host
+    stay out."""
     import multiprocessing as mp
     import time
 
@@ -80,7 +81,7 @@ def demo() -> str:
         for c in conns:
             c.recv()
         conns[0].send("park")
-        ring = handle.buffer_handle[3]
+        ring = handle.buffer_handle[3].split(":")[0]     # the locator, less ":fd:inode"
 
         def ours():
             return [q for q in list_queues()["queues"] if q["name"] == ring][0]
@@ -93,7 +94,7 @@ def demo() -> str:
         listing = list_queues()
         q = ours()
         listing.update(queues=[q], arenas=[], other=[])
-        listing["shm"]["fastmq_used_bytes"] = q["shm_used_bytes"] + q["arena"]["shm_used_bytes"]
+        listing["memory"]["fastmq_held_bytes"] = q["held_bytes"] + q["arena"]["held_bytes"]
         return format_text(listing)
     finally:
         w_conn.send("exit")

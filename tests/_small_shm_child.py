@@ -2,33 +2,28 @@
 /dev/shm is a 64 MiB tmpfs (Docker's default)."""
 from __future__ import annotations
 
-import logging
 import os
 import threading
 
-from fastmq import MessageQueue, ShmFullError
+from fastmq import MessageQueue
 
 MiB = 1 << 20
 
 
-def main() -> None:
-    # vLLM's scheduler broadcast ring (16 MiB x 10) and a worker's answer
-    # ring (24 MiB x 10): 400 MiB of rings in a 64 MiB /dev/shm.
-    w = MessageQueue(1, 1, max_chunk_bytes=16 * MiB, max_chunks=10)
-    other = MessageQueue(1, 1, max_chunk_bytes=24 * MiB, max_chunks=10)
+def _pair(**kw):
+    w = MessageQueue(1, 1, **kw)
     r = MessageQueue.create_from_handle(w.export_handle(), 0)
     t = threading.Thread(target=r.wait_until_ready)
     t.start()
     w.wait_until_ready()
     t.join()
-    for step in range(200):
-        w.enqueue({"step": step, "tokens": list(range(64))})
-        assert r.dequeue(timeout=10)["step"] == step
-    w.enqueue(b"x" * (8 * MiB))                     # fits what is left
-    assert len(r.dequeue(timeout=10)) == 8 * MiB
-    print("small steps OK")
-    # Fill /dev/shm behind the queue's back: a message that no longer fits
-    # raises ShmFullError, nothing is sent, and the queue keeps working.
+    return w, r
+
+
+def main() -> None:
+    import torch
+
+    # /dev/shm full before anything starts: it must not matter.
     with open("/dev/shm/filler", "wb") as f:
         try:
             while True:
@@ -36,29 +31,34 @@ def main() -> None:
                 f.flush()
         except OSError:
             pass
-    try:
-        for _ in range(10):
-            w.enqueue(b"y" * (15 * MiB))
-            r.dequeue(timeout=10)
-        print("no ShmFullError")
-    except ShmFullError as e:
-        print("ShmFullError:", e)
+    # vLLM's scheduler broadcast ring (16 MiB x 10) with the tensor arena at
+    # its default sizing (8 x 256 MiB), and a worker's answer ring (24 MiB x
+    # 10): over 2 GiB in a full 64 MiB /dev/shm.
+    w, r = _pair(max_chunk_bytes=16 * MiB, max_chunks=10)
+    other = MessageQueue(1, 1, max_chunk_bytes=24 * MiB, max_chunks=10)
+    assert w.tensor_arena is not None
+    assert (w.tensor_arena.n_slots, w.tensor_arena.slot_bytes) == (8, 256 * MiB)
+    for step in range(200):
+        w.enqueue({"step": step, "tokens": list(range(64))})
+        assert r.dequeue(timeout=10)["step"] == step
+    print("small steps OK")
+    big = torch.arange(16 * MiB, dtype=torch.float32)       # 64 MiB: multimodal-sized
+    for _ in range(3):
+        w.enqueue({"embeds": big})
+        got = r.dequeue(timeout=30)["embeds"]
+        assert torch.equal(got, big)
+        assert r.tensor_arena.contains(got.data_ptr())
+        del got
+    assert w.stats()["arena_hits"] == 3, w.stats()
+    print("arena OK")
+    w.enqueue(b"y" * (40 * MiB))                             # the overflow socket
+    assert len(r.dequeue(timeout=30)) == 40 * MiB
+    print("overflow OK")
     os.unlink("/dev/shm/filler")
-    w.enqueue("after")
-    assert r.dequeue(timeout=10) == "after"
-    print("after OK")
-    try:
-        MessageQueue(1, 1, max_chunk_bytes=128 * MiB, max_chunks=2)
-        print("no error for a 128 MiB chunk")
-    except RuntimeError as e:
-        print("RuntimeError:", e)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("fastmq")]
     for q in (r, w, other):
         q.shutdown()
-
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from fastmq.vllm import _arena_default
-
-    print("arena default fits:", _arena_default.fits())
+    print("OK")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,16 @@ def generate(llm, prompts, max_tokens: int, seed: int = 1234) -> list[list[int]]
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def arena_probe(worker, t) -> dict:
+    """Run in each worker by ``collective_rpc``: whether the tensor it was
+    sent lies in a fastmq tensor arena this worker maps, and its sum."""
+    from fastmq import arena
+
+    ptr = t.data_ptr()
+    return {"in_arena": any(a.contains(ptr) for a in list(arena._ARENAS.values())),
+            "nbytes": t.numel() * t.element_size(), "sum": float(t.sum())}
+
+
 def _cmd(p) -> str:
     try:
         return " ".join(p.cmdline())

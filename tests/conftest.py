@@ -2,8 +2,10 @@
 
 * Every child process is started with the spawn start method through
   ``procs`` and is joined with a timeout; on failure all are killed.
-* After every test, nothing fastmq created may be left in /dev/shm or as an
-  ipc socket file (``no_leftovers``, autouse).
+* After every test, this process may hold no fastmq segment it did not
+  hold before (no descriptor, no mapping: ``/proc/self/fd`` and
+  ``/proc/self/maps``), and no fastmq file may exist in /dev/shm or the
+  temporary directory (fastmq makes none) (``no_leftovers``, autouse).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import os
 import tempfile
 
 import pytest
+
+from _held import held_segments, segments_made_by  # noqa: F401 (tests import them here)
 
 SPAWN = mp.get_context("spawn")
 
@@ -32,10 +36,8 @@ def _creator(path: str) -> int:
 
 def _fastmq_files() -> set[str]:
     shm = set(glob.glob("/dev/shm/fastmq_*"))
-    tmp = tempfile.gettempdir()
-    ipc = set(glob.glob(os.path.join(tmp, "fastmq_*.ipc")))
-    binds = set(glob.glob(os.path.join(tmp, "fastmq_*.bind")))
-    return {p for p in shm | ipc | binds if _creator(p) in OUR_PIDS}
+    tmp = set(glob.glob(os.path.join(tempfile.gettempdir(), "fastmq_*")))
+    return {p for p in shm | tmp if _creator(p) in OUR_PIDS}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -49,8 +51,10 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(autouse=True)
 def no_leftovers(request):
     before = _fastmq_files()
+    held_before = held_segments()
     yield
     gc.collect()
+    held = held_segments() - held_before
     left = _fastmq_files() - before
     for path in left:  # clean up first, so one failure does not cascade
         try:
@@ -60,7 +64,8 @@ def no_leftovers(request):
     # A failed test's traceback keeps its queues alive: we removed their
     # files above; only a passing test must have released them itself.
     if not getattr(request.node, "fastmq_call_failed", False):
-        assert not left, f"test left shared-memory segments or ipc files: {sorted(left)}"
+        assert not left, f"test left files: {sorted(left)}"
+        assert not held, f"test left this process holding segments: {sorted(held)}"
 
 
 class Procs:

@@ -53,8 +53,8 @@ def _addr(x):
 
 
 def _blocks(q):
-    """Bytes of /dev/shm actually allocated to the queue's arena segment."""
-    return os.stat(os.path.join("/dev/shm", q.tensor_arena.name)).st_blocks * 512
+    """Bytes of memory actually allocated to the queue's arena segment."""
+    return q.tensor_arena.core.segment.held_bytes()
 
 
 # -- content and zero copy ------------------------------------------------------
@@ -811,14 +811,18 @@ def test_unknown_keyword_is_a_type_error():
         MessageQueue(1, 1, arena_slotz=3)
 
 
-def test_dev_shm_too_small(caplog):
+def test_an_arena_larger_than_dev_shm_works():
+    """The arena's memory is not in /dev/shm, and takes memory only as its
+    slots are used: one larger than /dev/shm is created, and serves."""
     too_big_mb = shutil.disk_usage("/dev/shm").free // MiB + 1024
-    with pytest.raises(RuntimeError, match="FASTMQ_ARENA_SLOT_MB"):
-        MessageQueue(1, 1, enable_shm_tensor_arena=True, arena_slots=1, arena_slot_mb=too_big_mb)
-    with caplog.at_level(logging.WARNING, logger="fastmq"):
-        w = MessageQueue(1, 1, arena_slots=1, arena_slot_mb=too_big_mb)   # on by default only
-    assert w.tensor_arena is None and w.handle.tensor_arena_handle is None
-    assert any("without a tensor arena" in rec.getMessage() for rec in caplog.records)
+    w, (r,) = local_pair(1, enable_shm_tensor_arena=True, arena_slots=2,
+                         arena_slot_mb=too_big_mb, arena_min_mb=1, arena_prefault="off")
+    assert w.tensor_arena is not None and w.tensor_arena.total_bytes > too_big_mb * MiB
+    a = np.arange(1 << 18, dtype=np.float64)      # 2 MiB
+    w.enqueue(a)
+    assert np.array_equal(r.dequeue(timeout=10), a)
+    assert w.stats()["arena_hits"] == 1
+    assert _blocks(w) < 64 * MiB
 
 
 # -- end to end with reader processes ----------------------------------------------------

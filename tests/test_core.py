@@ -11,7 +11,7 @@ import torch
 
 import _core_children as cc
 from _queues import local_pair
-from fastmq import (CorruptChunkError, Handle, MessageQueue, ShmRingBuffer,
+from fastmq import (CorruptChunkError, Handle, MessageQueue, ShmFullError, ShmRingBuffer,
                     check_shm_free_space)
 
 
@@ -227,25 +227,39 @@ def test_garbage_pickle_stream_raises_cleanly():
     assert r.dequeue(timeout=5) == "next"
 
 
-def test_shm_too_small_raises_before_creation():
-    with pytest.raises(RuntimeError, match="Insufficient space in /dev/shm"):
+def test_ring_larger_than_memory_raises_at_creation():
+    # Reserved at creation: an error now, never the OOM killer or a fault later.
+    with pytest.raises(ShmFullError, match="cannot give now"):
         MessageQueue(1, 1, max_chunk_bytes=1 << 40, max_chunks=4)
     with pytest.raises(RuntimeError, match="Insufficient space"):
         check_shm_free_space(1 << 50)
 
 
 def test_attach_missing_segment():
-    ghost = ShmRingBuffer(1, 1024, 2, name="fastmq_0_ring_doesnotexist")
+    ghost = ShmRingBuffer(1, 1024, 2, name="fastmq_0_ring_doesnotexist:3:1")
     assert ghost.segment is None          # deferred, as for handles on other nodes
     w = MessageQueue(1, 1)
     h = w.export_handle()
     from fastmq import BufferHandle
 
-    bad = Handle(**{**h.__dict__, "buffer_handle": BufferHandle(1, h.buffer_handle[1],
-                                                                 h.buffer_handle[2],
-                                                                 "fastmq_0_ring_gone")})
-    with pytest.raises(FileNotFoundError, match="fastmq_0_ring_gone"):
-        MessageQueue.create_from_handle(bad, 0)
+    def with_name(name):
+        return Handle(**{**h.__dict__, "buffer_handle": BufferHandle(
+            1, h.buffer_handle[1], h.buffer_handle[2], name)})
+
+    # The writer's pid, another descriptor: not that file.
+    name, fd, ino = h.buffer_handle[3].rsplit(":", 2)
+    gone = f"{name}:{fd}:{int(ino) + 1}"
+    with pytest.raises(FileNotFoundError, match="is gone"):
+        MessageQueue.create_from_handle(with_name(gone), 0)
+    with pytest.raises(FileNotFoundError, match="is gone"):
+        MessageQueue.create_from_handle(with_name(f"{name}:9999:{ino}"), 0)
+    with pytest.raises(ValueError, match="not a fastmq segment locator"):
+        MessageQueue.create_from_handle(with_name("fastmq_0_ring_gone"), 0)
+    r = MessageQueue.create_from_handle(h, 0)      # the right one still works
+    w.wait_until_ready()
+    r.wait_until_ready()
+    w.enqueue(1)
+    assert r.dequeue(timeout=10) == 1
 
 
 def test_handle_is_picklable_and_has_vllm_fields():
@@ -267,18 +281,18 @@ def test_broadcast_object_in_process():
 
 
 def test_segments_released_on_gc():
-    import glob
+    from _held import held_segments
 
     w, (r,) = _pair()
-    name = w.buffer.name
-    assert glob.glob(f"/dev/shm/{name}")
+    name = w.buffer.name.split(":")[0]
+    assert name in held_segments()
     w.shutdown()
     r.shutdown()
     del w, r
     import gc
 
     gc.collect()
-    assert not glob.glob(f"/dev/shm/{name}")
+    assert name not in held_segments()
 
 
 @pytest.mark.parametrize("single_reader", [False, True])

@@ -1,11 +1,10 @@
 """Faults and hostile input: dead peers, long-wait logs, data in flight,
-the /dev/shm budget, the remote path, owner-only files."""
+ring geometry, the remote path, no files."""
 from __future__ import annotations
 
 import logging
 import os
 import re
-import stat
 import threading
 import time
 
@@ -46,17 +45,11 @@ def _run_in_thread(fn, *args, **kwargs):
 
 
 def _reap(proc):
-    """Kill ``proc`` (if needed) and remove the files its death left behind
-    (only its own: ``fastmq.cleanup`` itself is tested in test_cleanup)."""
-    import glob
-    import tempfile
-
+    """Kill ``proc`` (if needed) and wait for it: its death leaves nothing
+    (tests/test_lifetime.py)."""
     if proc.is_alive():
         proc.kill()
     proc.join(10)
-    for f in (glob.glob(f"/dev/shm/fastmq_{proc.pid}_*")
-              + glob.glob(os.path.join(tempfile.gettempdir(), f"fastmq_{proc.pid}_*.ipc"))):
-        os.unlink(f)
 
 
 # -- dead peers ----------------------------------------------------------------
@@ -140,36 +133,32 @@ def test_reader_waiting_for_overflow_payload_raises_when_writer_killed(procs, sp
     _reap(p)
 
 
-def _files_of(pid: int) -> list[str]:
-    import glob
-    import tempfile
+def test_a_killed_writers_memory_lives_while_its_reader_maps_it(procs, spawn_ctx):
+    """A reader that finds its writer killed raises naming it; the writer's
+    ring stays mapped (and readable) by that reader alone until the reader
+    lets go, and then no process holds it."""
+    from _held import holders_of
 
-    return sorted(glob.glob(f"/dev/shm/fastmq_{pid}_*")
-                  + glob.glob(os.path.join(tempfile.gettempdir(), f"fastmq_{pid}_*")))
-
-
-def test_reader_removes_the_files_of_a_killed_writer(procs, spawn_ctx):
-    """A reader that finds its writer killed (not yet reaped by its parent)
-    removes that writer's ring, arena and ipc files, as ``fastmq cleanup``
-    would; a reader whose writer lives removes nothing on shutdown."""
     parent, child = spawn_ctx.Pipe()
     p = procs.start(children.writer_stall, child, 1, "futex", ["hello"])
     reader = MessageQueue.create_from_handle(parent.recv(), 0)
     reader.wait_until_ready()
     assert parent.recv() == "sent"
     assert reader.dequeue(timeout=10) == "hello"
-    reader.shutdown()                         # writer alive: nothing removed
-    left = _files_of(p.pid)
-    assert any("_ring_" in f for f in left) and any(f.endswith(".ipc") for f in left), left
+    ring = reader._end.buffer.name.split(":")[0]
+    assert set(holders_of([ring])) == {os.getpid(), p.pid}
     os.kill(p.pid, 9)
     while _proc.is_alive(p.pid):   # every thread has exited (not reaped yet)
         time.sleep(0.01)
-    assert _files_of(p.pid) == left           # a SIGKILLed process removes nothing
-    # What a waiting reader does when its ring says the writer died.
+    assert set(holders_of([ring])) == {os.getpid()}
     assert reader._ring.peer_status() == WRITER_DIED
     assert f"writer (pid {p.pid}) died" in str(reader._end._writer_gone_error())
-    assert _files_of(p.pid) == []
+    reader.shutdown()
     del reader
+    import gc
+
+    gc.collect()
+    assert holders_of([ring]) == {}
     p.join(10)
 
 
@@ -352,13 +341,13 @@ def test_mutate_after_enqueue_with_arena_enabled():
         assert writer.stats()["arena_hits"] == 2
 
 
-# -- /dev/shm budget -------------------------------------------------------------
+# -- ring geometry ---------------------------------------------------------------
 def test_env_geometry_overrides_every_queue(monkeypatch):
     monkeypatch.setenv("FASTMQ_MAX_CHUNK_MB", "1")
     monkeypatch.setenv("FASTMQ_MAX_CHUNKS", "3")
     writer = MessageQueue(1, 1)              # vLLM's default: 24 MiB x 10
     assert tuple(writer.handle.buffer_handle[:3]) == (1, 1 << 20, 3)
-    assert os.path.getsize(f"/dev/shm/{writer.handle.buffer_handle[3]}") < 4 << 20
+    assert writer.buffer.segment.size < 4 << 20
     (reader,) = _connect(writer, [0])
     writer.enqueue(np.ones(2 << 20, dtype=np.uint8))          # > 1 MiB: overflow
     assert reader.dequeue(timeout=10).sum() == 2 << 20
@@ -367,7 +356,7 @@ def test_env_geometry_overrides_every_queue(monkeypatch):
 
 def test_budget_that_does_not_fit_fails_early(monkeypatch):
     monkeypatch.setenv("FASTMQ_MAX_CHUNK_MB", str(1 << 30))   # 1 PiB per chunk
-    with pytest.raises(RuntimeError, match="Insufficient space in /dev/shm"):
+    with pytest.raises(RuntimeError, match="cannot give now"):
         MessageQueue(1, 1)
 
 
@@ -379,18 +368,21 @@ def test_bad_budget_env_names_variable(monkeypatch, var):
 
 
 # -- owner-only files ---------------------------------------------------------------
-def test_segments_and_ipc_files_are_owner_only():
-    old = os.umask(0)        # the most permissive umask: modes must not depend on it
-    try:
-        writer = MessageQueue(1, 1, wait_mode="zmq")
-    finally:
-        os.umask(old)
+def test_segments_and_sockets_have_no_files():
+    """Nothing of a queue is a file (so no mode to get wrong, nothing to
+    leave): its segments are memory files reached through the writer's
+    /proc, its sockets abstract."""
+    from _held import held_segments
+
+    writer = MessageQueue(1, 1, wait_mode="zmq")
     h = writer.handle
-    files = [f"/dev/shm/{h.buffer_handle[3]}",
-             h.local_subscribe_addr[len("ipc://"):], h.local_notify_addr[len("ipc://"):]]
-    for f in files:
-        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
-    assert stat.S_ISSOCK(os.stat(files[1]).st_mode)
-    (reader,) = _connect(writer, [0])       # still reachable by the owner
+    for addr in (h.local_subscribe_addr, h.local_notify_addr):
+        assert addr.startswith("ipc://@"), addr
+    name, fd, ino = h.buffer_handle[3].rsplit(":", 2)
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name}")
+    assert os.stat(f"/proc/self/fd/{fd}").st_ino == int(ino)
+    assert name in held_segments()
+    assert not os.path.exists(f"/dev/shm/{name}")
+    (reader,) = _connect(writer, [0])
     writer.enqueue("ok")
     assert reader.dequeue(timeout=10) == "ok"

@@ -1,11 +1,11 @@
-"""Resources and hostile input: a full /dev/shm, bad ranks, a rank taken
-twice, and failed wakeup notifies."""
+"""Resources and hostile input: memory running short, bad ranks, a rank
+taken twice, another user on the local sockets, and failed wakeup
+notifies."""
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -21,27 +21,44 @@ from _queues import local_pair, wait_for
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _can_unshare() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+def _memory_cgroup(limit: int) -> tuple[str, str]:
+    """A fresh memory cgroup limited to ``limit`` bytes: (its directory,
+    the file a pid is written to, to move that process into it)."""
+    name = f"fastmq_test_{os.getpid()}"
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):          # v2
+        base, limit_file = "/sys/fs/cgroup", "memory.max"
+    else:                                                             # v1
+        base, limit_file = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+    path = os.path.join(base, name)
+    try:
+        os.mkdir(path)
+        with open(os.path.join(path, limit_file), "w") as f:
+            f.write(str(limit))
+    except OSError as e:
+        pytest.fail(f"cannot make a memory cgroup here ({e}); the test needs root")
+    return path, os.path.join(path, "cgroup.procs")
 
 
-def test_full_dev_shm_is_an_exception_not_sigbus():
-    """/dev/shm filled by someone else after the ring was created used to
-    kill the writer with SIGBUS on its first write into an untouched chunk."""
-    if not _can_unshare():
-        pytest.skip("unshare -m is not permitted here (needs root or user namespaces)")
-    script = (f"mount -t tmpfs -o size=8m tmpfs /dev/shm && "
-              f"exec {sys.executable} {os.path.join(HERE, '_shm_full_child.py')}")
+def test_memory_short_is_an_exception_not_sigbus_or_oom_kill():
+    """Shared memory has no size limit of its own: a ring larger than the
+    memory there is, or an arena slot whose pages cannot be had, used to
+    wake the OOM killer (and, in a full /dev/shm, a SIGBUS).  In a 320 MiB
+    memory cgroup: a clear error at creation, and the arena sends the
+    buffer the socket way."""
+    path, procs_file = _memory_cgroup(320 << 20)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    res = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
-                         text=True, timeout=120, env=env)
+    try:
+        res = subprocess.run(
+            ["sh", "-c", f'echo $$ > {procs_file} && exec "$0" "$1"', sys.executable,
+             os.path.join(HERE, "_memory_short_child.py")],
+            capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        os.rmdir(path)
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
     assert res.stdout.strip().endswith("OK"), res.stdout
-    assert "arena OK" in res.stdout
-    assert "/dev/shm is full" in res.stdout
+    assert "ring OK" in res.stdout and "arena OK" in res.stdout
+    assert "cannot give now" in res.stdout
 
 
 @pytest.mark.parametrize("rank", [-1, 2, 99, None, "0", 0.0, True, 1.5])
@@ -103,3 +120,47 @@ def test_failed_zmq_notify_is_counted_and_logged_once(caplog):
     assert w.stats()["notify_errors"] == 3
     warnings = [rec for rec in caplog.records if "notify failed" in rec.getMessage()]
     assert len(warnings) == 1
+
+
+_STRANGER = r"""
+import os, sys, zmq
+os.setgid(65534)
+os.setuid(65534)
+ctx = zmq.Context()
+s = ctx.socket(zmq.SUB)
+s.setsockopt(zmq.SUBSCRIBE, b"")
+s.setsockopt(zmq.RCVTIMEO, int(float(sys.argv[2]) * 1000))
+s.connect(sys.argv[1])
+print("ready", flush=True)
+try:
+    s.recv()
+    print("GOT A MESSAGE")
+except zmq.Again:
+    print("nothing")
+"""
+
+
+def test_another_user_cannot_subscribe_to_the_local_sockets():
+    """The local sockets are abstract (no file, so no file permission): the
+    writer's libzmq drops a connection from any other user before it can
+    subscribe, so the overflow payloads never reach it."""
+    if os.geteuid() != 0:
+        pytest.fail("the test needs root, to run a process as another user")
+    w, (r,) = local_pair(1, max_chunk_bytes=1 << 16, max_chunks=2,
+                         enable_shm_tensor_arena=False)
+    addr = w.export_handle().local_subscribe_addr
+    assert addr.startswith("ipc://@")
+    stranger = subprocess.Popen([sys.executable, "-c", _STRANGER, addr, "3"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert stranger.stdout.readline().strip() == "ready"
+        big = b"s" * (1 << 17)                     # larger than a chunk: the socket
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            w.enqueue(big)
+            assert r.dequeue(timeout=10) == big
+        out, _ = stranger.communicate(timeout=30)
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert out.strip() == "nothing", out

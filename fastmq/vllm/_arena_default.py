@@ -12,9 +12,8 @@ vLLM plugin:
   False`` still turns it off;
 * the command line: ``--enable-shm-tensor-arena`` defaults to on,
   ``--no-enable-shm-tensor-arena`` turns it off;
-* where ``/dev/shm`` cannot hold the arena (Docker's default 64 MiB), the
-  default is off instead, with a warning naming a size that fits, so that
-  vLLM boots and serves there (``fits``);
+* Docker's default 64 MiB ``/dev/shm`` included: the arena's memory is
+  not in ``/dev/shm`` (fastmq/_segment.pyx);
 * sizing: fastmq's ``FASTMQ_ARENA_SLOTS`` / ``FASTMQ_ARENA_SLOT_MB`` (read
   by the engine's ``MessageQueue``, which creates the arena); workers take
   the geometry from the queue handle, whatever their environment says.
@@ -33,7 +32,6 @@ import inspect
 import logging
 import os
 import re
-import shutil
 import sys
 import threading
 import types
@@ -145,35 +143,6 @@ def _restore(old: tuple) -> None:
     cls.__init__.__kwdefaults__ = kwdefaults
 
 
-def fits() -> bool:
-    """Whether the default arena fits this host's ``/dev/shm``: on where it
-    does, as for every other queue; where it does not (Docker's default
-    64 MiB cannot hold 8 x 256 MiB), off, with a warning that says what
-    would fit, so that vLLM boots and serves instead of refusing to start."""
-    from fastmq import arena, segments
-
-    try:
-        size = arena.sizing()
-        usage = shutil.disk_usage(segments.SHM_PATH)
-    except (ValueError, OSError):
-        return True     # a bad setting is reported by the queue that reads it
-    need = size.n_slots * size.slot_bytes
-    if need <= usage.free:
-        return True
-    mib = 1 << 20
-    slots = int(usage.free // 2 // size.slot_bytes)
-    hint = (f"FASTMQ_ARENA_SLOTS={slots}" if slots >= 1 else
-            f"FASTMQ_ARENA_SLOTS=2 FASTMQ_ARENA_SLOT_MB={max(1, int(usage.free // 4 // mib))}")
-    logger.warning(
-        "fastmq: %s is %.0f MiB (%.0f MiB free), too small for the default tensor arena of "
-        "the scheduler broadcast (%d x %g MiB = %.0f MiB): vLLM runs without it "
-        "(enable_shm_tensor_arena defaults to off). To have it, enlarge %s (docker run "
-        "--shm-size, or --ipc=host) or set a size that fits, e.g. %s",
-        segments.SHM_PATH, usage.total / mib, usage.free / mib, size.n_slots,
-        size.slot_bytes / mib, need / mib, segments.SHM_PATH, hint)
-    return False
-
-
 def _wrap_add_cli_args(original, on: bool = True):
     @functools.wraps(original)
     def add_cli_args(parser, *args, **kwargs):
@@ -208,12 +177,11 @@ def apply(arg_utils: types.ModuleType) -> bool:
         if _module is not None:     # a reloaded arg_utils: only the new one counts
             undo()
         engine_args = arg_utils.EngineArgs
-        on = fits()
         for cls in _engine_arg_classes(engine_args):
-            _changed.append(_set_default(cls, on))
+            _changed.append(_set_default(cls, True))
         _original_add_cli_args = vars(engine_args)["add_cli_args"]
         engine_args.add_cli_args = staticmethod(
-            _wrap_add_cli_args(_original_add_cli_args.__func__, on))
+            _wrap_add_cli_args(_original_add_cli_args.__func__, True))
         _module = arg_utils
         return True
 
