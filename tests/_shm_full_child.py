@@ -53,8 +53,61 @@ def arena_on_old_kernel() -> None:
     print("arena OK")
 
 
+def _wait_prefault(core) -> None:
+    import time
+
+    end = time.monotonic() + 10
+    while not core.prefault_idle():
+        assert time.monotonic() < end, "background pre-fault did not finish"
+        time.sleep(0.005)
+
+
+def arena_on_full_shm() -> None:
+    """The arena with MADV_POPULATE_WRITE and its default pre-fault: pages
+    pre-faulted before /dev/shm filled up still take buffers; a slot whose
+    pages cannot be had sends its buffer the normal way; a background
+    pre-fault that cannot get memory stops.  Never a SIGBUS."""
+    import numpy as np
+
+    w, r = _pair(max_chunk_bytes=64 * 1024, max_chunks=2, enable_shm_tensor_arena=True,
+                 arena_slots=4, arena_slot_mb=1, arena_min_mb=0.25)
+    core = w.tensor_arena.core
+    kib = 1024
+    a = np.arange(96 * kib, dtype=np.float64)            # 768 KiB: an arena buffer
+    held = []
+
+    def send(x, hit):
+        before = w.stats()
+        w.enqueue(x)
+        got = r.dequeue(timeout=10)
+        assert np.array_equal(got, x)
+        after = w.stats()
+        assert after["arena_hits"] - before["arena_hits"] == int(hit), (hit, after)
+        if not hit:
+            assert after["arena_fallback_nomem"] > before["arena_fallback_nomem"], after
+        held.append(got)                                  # the reader keeps every slot
+
+    send(a, True)                                         # slot 0, cold
+    _wait_prefault(core)
+    assert core.faulted_bytes(1) == a.nbytes              # pre-faulted behind it, no more
+    filler = _fill_dev_shm(256 * kib)
+    send(a + 1, True)                                     # slot 1: its pages are there
+    send(a + 2, False)                                    # slot 2: no room, normal path
+    os.unlink(filler)
+    filler = _fill_dev_shm(MiB)
+    send(a + 3, True)                                     # slot 2 now fits; slot 3's
+    _wait_prefault(core)                                  # pre-fault runs out of room
+    assert core.faulted_bytes(3) < a.nbytes
+    send(a + 4, False)                                    # slot 3: normal path
+    os.unlink(filler)
+    held.clear()
+    send(a + 5, True)
+    print("arena populate OK")
+
+
 def main() -> None:
     arena_on_old_kernel()
+    arena_on_full_shm()
     w = MessageQueue(1, 1, max_chunk_bytes=3 * MiB, max_chunks=2,
                      enable_shm_tensor_arena=False)
     r = MessageQueue.create_from_handle(w.export_handle(), 0)

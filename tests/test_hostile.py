@@ -40,7 +40,7 @@ def test_full_dev_shm_is_an_exception_not_sigbus():
                          text=True, timeout=120, env=env)
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
     assert res.stdout.strip().endswith("OK"), res.stdout
-    assert "arena OK" in res.stdout
+    assert "arena OK" in res.stdout and "arena populate OK" in res.stdout
     assert "/dev/shm is full" in res.stdout
 
 
