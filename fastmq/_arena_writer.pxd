@@ -10,7 +10,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
     cdef uint8_t *in_message               # published by the message being encoded
     cdef int n_in_message
     cdef uint64_t *faulted                 # bytes from the slot start known populated
-    cdef uint8_t *prefault_queued
+    cdef uint64_t *prefault_target         # bytes from the slot start queued to pre-fault
     cdef object skip_buffer
     cdef object prefault_jobs
     cdef object prefault_lock
@@ -30,5 +30,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
     cdef object copy_in(self, int slot, const char *src, Py_ssize_t nbytes)
     cdef object in_place(self, char *ptr, Py_ssize_t nbytes)
     cdef int populate_for_use(self, int slot, Py_ssize_t nbytes) except -2
+    cdef bint memory_short(self, int slot, Py_ssize_t n) except -1
     cdef int reserve_pages(self, int slot, Py_ssize_t start, Py_ssize_t n) except -2
-    cdef object after_cold_use(self, int slot)
+    cdef object prefault_next(self, int slot, Py_ssize_t nbytes)
+    cdef object stop_prefault(self)

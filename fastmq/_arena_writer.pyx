@@ -2,8 +2,9 @@
 """The tensor arena's writer end (``ArenaWriterEnd``): claim a free slot,
 copy a large buffer into it (in parallel threads), publish it and send a
 slot descriptor in its place; commit or abort a message's slots; reserve
-slots for ``empty_tensor``; pre-fault slots off the hot path.  The layout,
-the flag protocol and the shared base are in ``fastmq._arena``.
+slots for ``empty_tensor``; pre-fault, off the hot path, the pages the next
+buffer of that size will need.  The layout, the flag protocol and the
+shared base are in ``fastmq._arena``.
 
 Why descriptors in the out-of-band list rather than a ``reducer_override``
 stub: CPython's C pickler hands ``PickleBuffer`` (and dict, list, tuple,
@@ -33,7 +34,10 @@ from fastmq._native.atomic cimport (fmq_local_load_int, fmq_local_load_u64_acq,
                                     fmq_store_u8_rel, fmq_store_u64_rel)
 from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
 from fastmq._segment cimport Segment
-from fastmq._segment import ShmFullError
+from fastmq._segment import ShmFullError, memory_available
+
+# Memory the arena leaves to the rest of the host when it takes new pages.
+cdef Py_ssize_t MEMORY_HEADROOM = 64 << 20
 
 import collections
 import logging
@@ -145,9 +149,9 @@ cdef class ArenaWriterEnd(ArenaEnd):
         self.reserved = <int *>calloc(n_slots, sizeof(int))
         self.in_message = <uint8_t *>calloc(n_slots, 1)
         self.faulted = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
-        self.prefault_queued = <uint8_t *>calloc(n_slots, 1)
+        self.prefault_target = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
         if (self.reserved == NULL or self.in_message == NULL or self.faulted == NULL
-                or self.prefault_queued == NULL):
+                or self.prefault_target == NULL):
             raise MemoryError()
         return self
 
@@ -157,7 +161,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
         free(self.reserved)
         free(self.in_message)
         free(self.faulted)
-        free(self.prefault_queued)
+        free(self.prefault_target)
 
     def free_slots(self):
         """Slots the writer could fill now (free by the flags and not held
@@ -318,9 +322,11 @@ cdef class ArenaWriterEnd(ArenaEnd):
         cdef size_t cold_from = warm if warm < <uint64_t>nbytes else nbytes
         cdef int err, used = 1, threads = self.copy_threads
         cdef size_t min_part = self.copy_min_part
-        if (not fmq_have_populate() and cold_from < <size_t>nbytes
-                and self.reserve_pages(slot, cold_from, nbytes - cold_from) != 0):
-            return None           # /dev/shm is full: the buffer takes the socket path
+        if cold_from < <size_t>nbytes and (
+                self.memory_short(slot, nbytes - cold_from)
+                or (not fmq_have_populate()
+                    and self.reserve_pages(slot, cold_from, nbytes - cold_from) != 0)):
+            return None           # no memory for it: the buffer takes the socket path
         # written = 0 while the bytes change: a stale descriptor for this
         # slot is refused by readers from here on.
         fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_WRITTEN), 0)
@@ -336,13 +342,13 @@ cdef class ArenaWriterEnd(ArenaEnd):
                 self.logged_nomem = True
                 logger.warning(
                     "fastmq arena %s: cannot allocate %d bytes of shared memory for slot %d "
-                    "(%s; /dev/shm is probably full); buffers take the out-of-band path "
-                    "while this lasts. Logged once.", self.name, nbytes, slot, os.strerror(err))
+                    "(%s); buffers take the out-of-band path while this lasts. Logged once.",
+                    self.name, nbytes, slot, os.strerror(err))
             return None
         fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
-        if cold_from < <size_t>nbytes:
-            self.after_cold_use(slot)
         epoch = self.publish(slot)
+        if cold_from < <size_t>nbytes:
+            self.prefault_next(slot, nbytes)
         self.n_hits += 1
         self.n_hit_bytes += nbytes
         return self.descriptor(slot, 0, nbytes, epoch)
@@ -427,6 +433,8 @@ cdef class ArenaWriterEnd(ArenaEnd):
         cdef int err
         if warm >= <uint64_t>nbytes:
             return 0
+        if self.memory_short(slot, nbytes - warm):
+            return -1
         if not fmq_have_populate() and self.reserve_pages(slot, warm, nbytes - warm) != 0:
             return -1
         with nogil:
@@ -435,12 +443,31 @@ cdef class ArenaWriterEnd(ArenaEnd):
             self.n_nomem += 1
             return -1
         fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
-        self.after_cold_use(slot)
+        self.prefault_next(slot, nbytes)
         return 0
+
+    cdef bint memory_short(self, int slot, Py_ssize_t n) except -1:
+        # Asked before new pages are touched: an anonymous memory file has
+        # no size limit of its own, so populating past what the host (or
+        # this cgroup) has left would wake the OOM killer, not fail.  Some
+        # room stays for everything else.  Only on cold pages, never in
+        # the steady state.
+        avail = memory_available()
+        if avail < 0 or avail >= n + MEMORY_HEADROOM:
+            return False
+        self.n_nomem += 1
+        if not self.logged_nomem:
+            self.logged_nomem = True
+            logger.warning(
+                "fastmq arena %s: %d MiB of memory left, too little for %d bytes of slot %d "
+                "(the arena leaves %d MiB to the host); buffers take the out-of-band path "
+                "while this lasts. Logged once.", self.name, avail >> 20, n, slot,
+                MEMORY_HEADROOM >> 20)
+        return True
 
     cdef int reserve_pages(self, int slot, Py_ssize_t start, Py_ssize_t n) except -2:
         # Kernels without MADV_POPULATE_WRITE: allocate the pages through the
-        # segment's descriptor, so that a full /dev/shm is an error here and
+        # segment's descriptor, so that memory running out is an error here and
         # never a SIGBUS in the copy or the pre-fault that touches them.
         try:
             self.segment.reserve(self.data_off + slot * self.slot_bytes + start, n,
@@ -455,35 +482,51 @@ cdef class ArenaWriterEnd(ArenaEnd):
         self.reserved[slot] -= 1
 
     # -- pre-faulting ----------------------------------------------------------
-    cdef object after_cold_use(self, int slot):
-        # A slot was just used on cold pages: pre-fault the rest of it and
-        # the next untouched slot in the background, so that the next
-        # buffer (or a bigger one in this slot) finds warm pages.
+    cdef object prefault_next(self, int slot, Py_ssize_t nbytes):
+        # ``nbytes`` just went into cold pages of ``slot``.  The next buffer,
+        # if it comes while readers still hold this one, takes the lowest
+        # other free slot: have that slot's first ``nbytes`` populated in
+        # the background, so that a stream of buffers of this size finds
+        # warm pages in either.  Only that much: pre-faulting whole slots
+        # committed up to 2 x slot_bytes of memory for one small tensor,
+        # for the arena's life.  Where readers hold more slots at once, the
+        # first copy into a cold slot further down does the same for the
+        # slot after it; a copy into warm pages asks for nothing more.
         cdef int s
-        if not self.prefault_ahead:
+        cdef uint64_t want
+        if not self.prefault_ahead or self.closed:
             return None
-        want = [slot]
+        want = min(_align(nbytes, PAGE), self.slot_bytes)
         for s in range(self.n_slots):
-            if s != slot and fmq_local_load_u64_acq(&self.faulted[s]) < <uint64_t>self.slot_bytes:
-                want.append(s)
-                break
-        self.prefault(want)
+            if (s == slot or self.reserved[s] != 0 or self.in_message[s] != 0
+                    or not self.slot_free(s)):
+                continue
+            if (fmq_local_load_u64_acq(&self.faulted[s]) < want
+                    and self.prefault_target[s] < want):
+                self.prefault((s,), want)
+            return None
         return None
 
-    def prefault(self, slots):
-        """Populate ``slots`` fully in a background thread (off the
-        hot path).  Slots already populated or queued are skipped."""
+    def prefault(self, slots, upto=None):
+        """Populate the first ``upto`` bytes (default: all) of each of
+        ``slots`` in a background thread, off the hot path.  What is
+        already populated or queued is skipped."""
         cdef int s
-        if self.closed:
+        cdef uint64_t want = self.slot_bytes
+        if upto is not None:
+            want = min(_align(max(0, upto), PAGE), self.slot_bytes)
+        if self.closed or want == 0:
             return
         with self.prefault_lock:
             for s in slots:
-                if not (0 <= s < self.n_slots) or self.prefault_queued[s]:
+                if not (0 <= s < self.n_slots):
                     continue
-                if fmq_local_load_u64_acq(&self.faulted[s]) >= <uint64_t>self.slot_bytes:
+                if (fmq_local_load_u64_acq(&self.faulted[s]) >= want
+                        or self.prefault_target[s] >= want):
                     continue
-                self.prefault_queued[s] = 1
-                self.prefault_jobs.append(s)
+                if self.prefault_target[s] == 0:
+                    self.prefault_jobs.append(s)
+                self.prefault_target[s] = want
             if self.prefault_jobs and not self.prefault_running:
                 self.prefault_running = True
                 threading.Thread(target=self._prefault_loop, name="fastmq-arena-prefault",
@@ -491,7 +534,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
 
     def _prefault_loop(self):
         cdef int s = 0, err
-        cdef uint64_t start
+        cdef uint64_t start, upto
         cdef char *p
         cdef size_t n
         while True:
@@ -500,32 +543,39 @@ cdef class ArenaWriterEnd(ArenaEnd):
                     self.prefault_running = False
                     return
                 s = self.prefault_jobs.popleft()
+                upto = self.prefault_target[s]
+                self.prefault_target[s] = 0
             start = fmq_local_load_u64_acq(&self.faulted[s])
-            if start >= <uint64_t>self.slot_bytes:
+            if start >= upto:
                 continue
             p = self.slot_ptr(s) + start
-            n = self.slot_bytes - start
-            if not fmq_have_populate() and self.reserve_pages(s, start, n) != 0:
-                logger.warning("fastmq arena %s: /dev/shm has no room to pre-fault slot %d; "
-                               "buffers that need it fall back to the ring", self.name, s)
-                with self.prefault_lock:
-                    self.prefault_running = False
-                    self.prefault_jobs.clear()
+            n = upto - start
+            if self.memory_short(s, n) or (
+                    not fmq_have_populate() and self.reserve_pages(s, start, n) != 0):
+                logger.warning("fastmq arena %s: no memory to pre-fault slot %d; buffers "
+                               "that need it fall back to the socket", self.name, s)
+                self.stop_prefault()
                 return
             with nogil:
                 err = fmq_prefault(p, n, &self.cancel_prefault)
             if err == 0:
-                fmq_local_max_u64_rel(&self.faulted[s], self.slot_bytes)
+                fmq_local_max_u64_rel(&self.faulted[s], upto)
                 self.n_prefaulted += n
             elif err > 0:
                 self.prefault_error = err
                 logger.warning("fastmq arena %s: background pre-fault of slot %d failed (%s); "
                                "the copy will fault those pages itself", self.name, s,
                                os.strerror(err))
-                with self.prefault_lock:
-                    self.prefault_running = False
-                    self.prefault_jobs.clear()
+                self.stop_prefault()
                 return
+
+    cdef object stop_prefault(self):
+        # After a failure: drop what is queued (the copies populate what
+        # they need themselves, and fall back when they cannot).
+        with self.prefault_lock:
+            self.prefault_running = False
+            while self.prefault_jobs:
+                self.prefault_target[self.prefault_jobs.popleft()] = 0
 
     def prefault_idle(self):
         """True when no background pre-fault is queued or running."""

@@ -84,7 +84,7 @@ def me() -> tuple[int, int]:
 def pid_namespace() -> int:
     """Inode of this process's pid namespace (0 if unknown).  Pids mean
     something only inside one namespace: a process that finds another
-    namespace's queue in a shared /dev/shm must not judge its pids."""
+    namespace's queue must not judge its pids."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:

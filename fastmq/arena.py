@@ -23,6 +23,11 @@ keyword                 environment                    default      meaning
 ``arena_readers``       ``FASTMQ_ARENA_READERS``       isolated     isolated / shared
 ======================  =============================  ===========  ========================
 
+``ahead``: after a copy into cold pages, the slot the next buffer would take
+gets as many pages populated in the background (never whole slots); ``all``
+or ``N``: whole slots at creation.  Inside vLLM on a CUDA platform the
+scheduler broadcast's readers default to ``shared`` (``fastmq.vllm``).
+
 Readers adopt the writer's geometry from ``Handle.tensor_arena_handle`` and
 the reader mode from the arena's header.  ``isolated``: each reader maps
 the slots copy-on-write, so an in-place write to a received tensor is

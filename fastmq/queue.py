@@ -61,6 +61,41 @@ def remove_creation_hook(hook) -> None:
         _creation_hooks.remove(hook)
 
 
+# Asked for arena option defaults before a writer with local readers builds
+# its arena; see add_arena_defaults_hook.
+_arena_defaults_hooks: list = []
+
+
+def add_arena_defaults_hook(hook) -> None:
+    """Call ``hook(enable_shm_tensor_arena)`` when a queue with local
+    readers is created in this process, until ``remove_arena_defaults_hook``;
+    the dict it returns gives defaults for the arena keywords
+    (``arena_readers=`` ...) that the constructor was not given.
+    ``fastmq.vllm`` registers one while it is active: vLLM's arena
+    semantics for the queue vLLM asks an arena of, on a CUDA platform."""
+    if hook not in _arena_defaults_hooks:
+        _arena_defaults_hooks.append(hook)
+
+
+def remove_arena_defaults_hook(hook) -> None:
+    """Stop calling ``hook`` (see ``add_arena_defaults_hook``)."""
+    if hook in _arena_defaults_hooks:
+        _arena_defaults_hooks.remove(hook)
+
+
+def _arena_options(enable: Any, n_local_reader: Any, options: dict) -> dict:
+    if not _arena_defaults_hooks or not isinstance(n_local_reader, int) or n_local_reader <= 0:
+        return options
+    out: dict = {}
+    for hook in list(_arena_defaults_hooks):
+        out.update(hook(enable))
+    for key, value in options.items():
+        # A keyword given wins; None means not given, as in fastmq.arena.
+        if value is not None or key not in out:
+            out[key] = value
+    return out
+
+
 class MessageQueue:
     """One writer to ``n_reader`` readers, ``n_local_reader`` of them on this
     node (shared memory), the rest remote (TCP).  Same constructor, methods
@@ -82,7 +117,7 @@ class MessageQueue:
             node's).
         enable_shm_tensor_arena: the tensor arena, which copies a large
             buffer once for every local reader.  ``None`` (the default):
-            on unless ``FASTMQ_ARENA=0``, where ``/dev/shm`` has room.
+            on unless ``FASTMQ_ARENA=0``.
         wait_mode: how readers wait, ``"futex"``, ``"zmq"`` or ``"spin"``
             (default ``FASTMQ_WAIT``, else futex).  Readers adopt the
             writer's.
@@ -103,7 +138,8 @@ class MessageQueue:
 
     Raises:
         ValueError: a count or an option out of range.
-        RuntimeError: ``/dev/shm`` too small for the ring.
+        ShmFullError: not enough memory for the ring (it is reserved
+            when the queue is created).
     """
 
     def __init__(
@@ -124,7 +160,9 @@ class MessageQueue:
         self._start(QueueWriter(
             n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks,
             connect_ip, enable_shm_tensor_arena, wait_mode=wait_mode, spin_us=spin_us,
-            remote_security=remote_security, arena_options=arena_options))
+            remote_security=remote_security,
+            arena_options=_arena_options(enable_shm_tensor_arena, n_local_reader,
+                                         arena_options)))
         logger.debug("fastmq message queue handle: %s", self.handle)
 
     @staticmethod

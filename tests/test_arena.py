@@ -21,7 +21,7 @@ import torch
 
 import _arena_children as ac
 from _queues import local_pair
-from fastmq import MessageQueue, _arena, _arena_reader, _cuda
+from fastmq import MessageQueue, _arena, _arena_reader, _cuda, shm_usage
 from fastmq import arena as A
 from fastmq._arena import ArenaEnd, SlotBuffer
 from fastmq._arena_reader import ArenaReaderEnd
@@ -742,24 +742,61 @@ def test_on_by_default_for_local_queues_only(monkeypatch):
 
 
 def test_idle_arena_costs_no_memory_and_prefault_modes():
-    off = MessageQueue(1, 1, arena_slots=4, arena_slot_mb=2, arena_min_mb=1,
+    off = MessageQueue(1, 1, arena_slots=4, arena_slot_mb=4, arena_min_mb=1,
                        arena_prefault="off")
     assert _blocks(off) <= 64 * 1024                    # header and flag lines only
-    w, (r,) = _pair(slots=4, slot_mb=2)                  # default: "ahead"
+    w, (r,) = _pair(slots=4, slot_mb=4)                  # default: "ahead"
     assert _blocks(w) <= 64 * 1024
     w.enqueue(torch.ones(MiB // 2))                      # 2 MiB: first use of slot 0, cold
     r.dequeue(timeout=10)
     core = _core(w)
     _wait_prefault(core)
+    # The copy's own pages, and as many in the slot the next buffer takes
+    # while this one is held: not the rest of either slot.
     assert [core.faulted_bytes(s) for s in range(4)] == [2 * MiB, 2 * MiB, 0, 0]
     assert 4 * MiB <= _blocks(w) < 5 * MiB
+    assert core.stats()["arena_prefaulted_bytes"] == 2 * MiB
     off.enqueue(torch.ones(MiB // 4))                    # "off": only what the copy used
     assert [_core(off).faulted_bytes(s) for s in range(4)] == [MiB, 0, 0, 0]
-    for mode, want in (("all", [2 * MiB] * 4), (1, [2 * MiB, 0, 0, 0])):
-        q = MessageQueue(1, 1, arena_slots=4, arena_slot_mb=2, arena_prefault=mode)
+    for mode, want in (("all", [4 * MiB] * 4), (1, [4 * MiB, 0, 0, 0])):
+        q = MessageQueue(1, 1, arena_slots=4, arena_slot_mb=4, arena_prefault=mode)
         _wait_prefault(_core(q))
         assert [_core(q).faulted_bytes(s) for s in range(4)] == want
         assert _core(q).stats()["arena_prefaulted_bytes"] == sum(want)
+
+
+def test_a_default_queue_commits_what_its_tensors_use(monkeypatch):
+    # The default geometry (8 x 256 MiB) and pre-fault mode.  Eleven 16 MiB
+    # tensors, each sent while the reader still holds the one before: two
+    # slots in use, each with 16 MiB of pages, and no whole slot committed
+    # (which held 512 MiB of /dev/shm for the arena's life).
+    for var in ("FASTMQ_ARENA", "FASTMQ_ARENA_SLOTS", "FASTMQ_ARENA_SLOT_MB",
+                "FASTMQ_ARENA_MIN_MB", "FASTMQ_ARENA_PREFAULT"):
+        monkeypatch.delenv(var, raising=False)
+    w, (r,) = local_pair(1)
+    core = _core(w)
+    assert (core.n_slots, core.slot_bytes) == (8, 256 * MiB)
+    size = 16 * MiB
+    held = None
+    for i in range(11):
+        t = torch.full((size // 8,), i, dtype=torch.int64)
+        w.enqueue(t)
+        got = r.dequeue(timeout=30)
+        assert torch.equal(got, t) and r.tensor_arena.contains(got.data_ptr())
+        held = got                                       # released once the next one arrives
+        _wait_prefault(core)
+        if i == 0:
+            assert [core.faulted_bytes(s) for s in range(3)] == [size, size, 0]
+    del held, got
+    assert w.stats()["arena_hits"] == 11
+    assert [core.faulted_bytes(s) for s in range(8)] == [size, size] + [0] * 6
+    assert core.stats()["arena_prefaulted_bytes"] == size
+    assert 2 * size <= _blocks(w) <= 2 * size + 4 * MiB
+    # The same figure through the mapping, as fastmq.shm_usage reports it.
+    held_now = shm_usage.held_bytes(w)
+    assert held_now["arena"] == _blocks(w)
+    assert held_now["total"] == held_now["arena"] + held_now["ring"] < 2 * size + 8 * MiB
+    assert shm_usage.held_bytes(r)["arena"] == held_now["arena"]
 
 
 def _wait_prefault(core, timeout=10.0):

@@ -18,6 +18,17 @@ vLLM plugin:
   by the engine's ``MessageQueue``, which creates the arena); workers take
   the geometry from the queue handle, whatever their environment says.
 
+On a CUDA platform (``current_platform.is_cuda_alike()``, the test vLLM's
+own arena makes before it page-locks its slots), the queue vLLM asks an
+arena of (``enable_shm_tensor_arena=True``: the scheduler broadcast) gets
+vLLM's arena semantics by default: shared readers, so that each CUDA
+worker page-locks the slots (host-to-device copies from them are DMA) and
+hands a slot back after a CUDA event behind that step's copies
+(``queue_arena_defaults``, registered with the façade while fastmq is
+active).  ``FASTMQ_ARENA_READERS`` set in the engine, or the
+``arena_readers=`` keyword, keeps what the user chose; every other queue,
+and fastmq outside vLLM, keeps isolated (copy-on-write) readers.
+
 What vLLM's own ``ParallelConfig(...)`` says when built directly is left
 alone.  All or nothing: ``problems()`` checks every symbol used before the
 first change, and a vLLM whose symbols moved gets ``ArenaDefaultError``
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -111,6 +123,38 @@ def problems(arg_utils: types.ModuleType) -> list[str]:
         out.append(f"{EXECUTOR} no longer passes {FIELD} from ParallelConfig to its "
                    "scheduler broadcast queue")
     return out
+
+
+def on_cuda_platform() -> bool:
+    """Whether vLLM's platform here is CUDA (or ROCm): what vLLM's own arena
+    asks before it page-locks its slots.  vLLM resolved the platform when
+    its queue module was imported; this initialises nothing."""
+    try:
+        platforms = importlib.import_module("vllm.platforms")
+        return bool(platforms.current_platform.is_cuda_alike())
+    except Exception:
+        return False
+
+
+def arena_readers(enable) -> str | None:
+    """The reader mode fastmq gives the arena of a queue vLLM builds with
+    ``enable_shm_tensor_arena=enable``: ``"shared"`` (vLLM's semantics:
+    page-locked in each CUDA reader, slots released after a CUDA event)
+    where vLLM asked for an arena on a CUDA platform, else None (fastmq's
+    own default, isolated).  None too when ``FASTMQ_ARENA_READERS`` is set:
+    the operator chose."""
+    if enable is None or not enable:
+        return None     # vLLM asked for no arena: vLLM's readers get private copies
+    if os.environ.get("FASTMQ_ARENA_READERS", "").strip():
+        return None
+    return "shared" if on_cuda_platform() else None
+
+
+def queue_arena_defaults(enable) -> dict:
+    """The façade's arena-defaults hook (``fastmq.queue.add_arena_defaults_hook``)
+    while fastmq is active in vLLM."""
+    mode = arena_readers(enable)
+    return {} if mode is None else {"arena_readers": mode}
 
 
 def _set_default(cls: type, value: bool) -> tuple:

@@ -273,8 +273,10 @@ def _set_queue_hook(on: bool) -> None:
 
     if on:
         queue.add_creation_hook(_on_queue_created)
+        queue.add_arena_defaults_hook(_arena_default.queue_arena_defaults)
     else:
         queue.remove_creation_hook(_on_queue_created)
+        queue.remove_arena_defaults_hook(_arena_default.queue_arena_defaults)
 
 
 def _on_queue_created() -> None:
@@ -333,6 +335,10 @@ def _arena_text() -> str:
         return f"tensor arena: invalid setting ({e})"
     if not on:
         return "tensor arena off (FASTMQ_ARENA=0)"
+    broadcast = _arena_default.arena_readers(True)
+    readers = ("readers shared and page-locked for CUDA, as vLLM's" if broadcast == "shared"
+               else f"readers {size.readers}")
     return (f"tensor arena {size.n_slots} x {size.slot_bytes / MiB:g} MiB slots for tensors "
             f">= {size.min_bytes / MiB:g} MiB (scheduler broadcast: on unless "
-            "--no-enable-shm-tensor-arena; other queues: on where /dev/shm has room)")
+            f"--no-enable-shm-tensor-arena, {readers}; other queues: on, readers "
+            f"{size.readers})")
