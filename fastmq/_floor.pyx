@@ -5,7 +5,7 @@ with no queue, no pickling and no Python in the loop.
 shared memory between processes: the writer copies the payload into a shared
 segment and bumps a sequence word; each reader waits for the word, copies the
 payload out (as any transport must hand the reader its own bytes) and
-answers on its own cache line.  ``time_memcpy`` is one memcpy of a payload.
+answers on its own cache line.
 
 ``wake_writer`` / ``wake_reader`` are the wake-from-idle floor: each reader
 parks in ``FUTEX_WAIT`` on a word in a shared segment; the writer sleeps
@@ -179,21 +179,6 @@ def pingpong_reader(Segment seg, int n_readers, int rank, unsigned char[::1] dst
     if bad:
         raise RuntimeError("floor: reader %d copied a payload stamped %d in round %d"
                            % (rank, stamp, s))
-
-
-def time_memcpy(unsigned char[::1] dst, const unsigned char[::1] src, int64_t[::1] out):
-    """``out[i]``: nanoseconds of one memcpy of ``src`` into ``dst``."""
-    cdef Py_ssize_t size = src.shape[0], n = out.shape[0], i
-    if dst.shape[0] < size:
-        raise ValueError("dst (%d bytes) is smaller than src (%d bytes)" % (dst.shape[0], size))
-    if size == 0:
-        raise ValueError("src is empty")
-    cdef int64_t t0
-    with nogil:
-        for i in range(n):
-            t0 = fmq_now_ns()
-            memcpy(&dst[0], &src[0], size)
-            out[i] = fmq_now_ns() - t0
 
 
 # -- wake from idle ----------------------------------------------------------

@@ -32,12 +32,6 @@ def _have(module: str) -> bool:
 HAVE_VLLM = _have("vllm.distributed.device_communicators.shm_broadcast")
 
 
-def _runs_here(*names: str) -> set[str]:
-    """Those of fastmq's rows that this fastmq can build (a security
-    keyword its remote path does not take leaves a row out, with a note)."""
-    return {n for n in names if impls.availability(impls.IMPLS[n])[0]}
-
-
 def bench(*args: str, timeout: float = 240, pythonpath: str | None = None
           ) -> subprocess.CompletedProcess:
     env = dict(os.environ)
@@ -74,22 +68,19 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
     for key in ("fastmq", "torch", "pyzmq", "libzmq", "numpy"):
         assert data["versions"][key], key
     assert data["config"]["preset"] == "quick"
-    assert set(data["scenario_seconds"]) == set(config.SCENARIOS)
     measured = [s for s in config.SCENARIOS if config.preset("quick").readers[s]]
 
     recs = data["records"]
     assert all("samples_ns" not in r for r in recs)
-    # Every remote row of both shapes; the default security always runs.
-    remote = {"fastmq-remote", "fastmq-remote-both"} | _runs_here(
-        "fastmq-remote+encrypt", "fastmq-remote+plain")
+    # Every remote row of both shapes, each security setting.
+    remote = {"fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain",
+              "fastmq-remote-both"}
     expected = {
-        "step": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq", "floor",
-                 "floor+pickle", "floor-memcpy"} | remote | _runs_here(
-                     "fastmq-remote-both+encrypt", "fastmq-remote-both+plain"),
-        "throughput": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq"},
-        "tensor": {"fastmq-futex+arena", "fastmq-futex", "pyzmq", "floor"} | remote,
-        "wake": {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "pyzmq", "floor-futex",
-                 "floor-pipe"},
+        "step": {"fastmq-futex", "floor", "floor+pickle", "fastmq-remote-both+encrypt",
+                 "fastmq-remote-both+plain"} | remote,
+        "throughput": {"fastmq-futex"},
+        "tensor": {"fastmq-futex+arena", "fastmq-futex", "floor"} | remote,
+        "wake": {"fastmq-futex", "floor-futex", "floor-pipe"},
     }
     if HAVE_VLLM:
         assert data["versions"]["vllm"]
@@ -99,17 +90,13 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
         expected["tensor"] |= {"vllm", "vllm+arena", "vllm-remote", "vllm-remote-both"}
     else:  # said so, not silently dropped
         assert any("vllm" in n and "not measured" in n for n in data["notes"])
-    for name in ("fastmq-remote+encrypt", "fastmq-remote+plain", "fastmq-remote-both+encrypt",
-                 "fastmq-remote-both+plain"):
-        if not _runs_here(name):  # said so, with the reason
-            assert any(n.startswith(f"{name} not measured: ") for n in data["notes"]), name
     for s, names in expected.items():
         got = {r["impl"] for r in recs if r["scenario"] == s}
         assert got == names, (s, got)
 
     p = config.preset("quick")
     for r in recs:
-        assert r["n_readers"] in (0, 1), r
+        assert r["n_readers"] == 1, r
         assert r["runs"] == p.repeats
         if r["scenario"] == "throughput":
             assert r["rate"] > 0 and r["messages"] > 0
@@ -120,7 +107,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
         assert r["min"] <= r["p50"] <= r["p90"] <= r["p99"] <= r["max"], r
         if r["scenario"] == "step":
             assert r["size_bytes"] in p.step_sizes
-            assert r["samples"] >= (p.step_min if r["impl"] != "floor-memcpy" else 1)
+            assert r["samples"] >= p.step_min
         if r["scenario"] == "tensor":
             assert r["samples"] == p.tensor_reps and r["size_bytes"] in p.tensor_sizes
             assert r["first_ms"] > 0
@@ -153,22 +140,26 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
             assert f["vs_vllm"] == pytest.approx(v["p50"] / f["p50"]), (scen, mine)
             assert v["vs_vllm"] is None  # vLLM is the reference, not compared with itself
 
-    # The summary and the notes are on stdout; every scenario's table only
-    # with --tables (and in RESULTS.md, below).
-    assert "summary:" in proc.stdout and "rerun with --tables" in proc.stdout
+    # The summary and the notes are on stdout; every scenario's table in the
+    # Markdown report (below), also when rendered again from the JSON file.
+    assert "summary:" in proc.stdout and "write them with --results-md" in proc.stdout
     for s in measured:
         assert scenario.get(s).title not in proc.stdout
     # Nothing after the report: modules vLLM imports print pages of
     # "nanobind: leaked ..." at interpreter teardown, which the command skips.
     assert "nanobind" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert "leaked" not in proc.stderr, proc.stderr[-3000:]
-    tables = subprocess.run([sys.executable, "-m", "fastmq.bench", "--from-json",
-                             str(paths["json"]), "--tables"], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert tables.returncode == 0, tables.stderr[-3000:]
+    again = paths["md"].parent / "again.md"
+    rendered = subprocess.run([sys.executable, "-m", "fastmq.bench", "--from-json",
+                               str(paths["json"]), "--results-md", str(again)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+    assert rendered.returncode == 0, rendered.stderr[-3000:]
+    text = again.read_text()
+    assert "(Rendered again from that run's JSON by `python -m fastmq.bench --from-json " in text
     for s in measured:
-        assert scenario.get(s).title in tables.stdout
-    assert "vs vLLM" in tables.stdout and "--tables" not in tables.stdout
+        assert f"### {scenario.get(s).title}" in text
+    assert text.count("| vs vLLM |") >= len(measured)
 
 
 def test_quick_output_names_no_issue_numbers_or_targets(quick_run):
@@ -208,47 +199,45 @@ def test_remote_both_ways_runs_fastmq_and_vllm_with_several_readers(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     got = {r["impl"]: r for r in data["records"]}
-    assert set(got) == {"fastmq-remote-both", "vllm-remote-both"} | _runs_here(
-        "fastmq-remote-both+plain")
+    assert set(got) == {"fastmq-remote-both", "fastmq-remote-both+plain", "vllm-remote-both"}
     for name, r in got.items():
         assert r["n_readers"] == 2 and r["samples"] > 0, name
         if name != "vllm-remote-both":
             assert r["vs_vllm"] == pytest.approx(got["vllm-remote-both"]["p50"] / r["p50"])
 
 
-def test_a_security_keyword_this_fastmq_lacks_leaves_its_row_out():
-    # The row is reported as not measured, with the reason; nothing crashes.
-    odd = impls.Impl("fastmq-remote+odd", "fastmq", "test", wait_mode="futex", arena=False,
-                     remote="readers", remote_kwargs={"remote_no_such_setting": "x"})
-    ok, why = impls.availability(odd)
-    assert not ok
-    assert "takes no remote_no_such_setting= keyword" in why, why
-    # The rows' keywords are the new transport's: default security passes none.
+def test_remote_rows_pass_fastmq_s_security_settings():
+    # Default security passes no keyword; the others name theirs.
     assert impls.IMPLS["fastmq-remote"].remote_kwargs == {}
     assert impls.IMPLS["fastmq-remote-both+encrypt"].remote_kwargs == {
         "remote_security": "encrypt"}
     assert impls.IMPLS["fastmq-remote+plain"].remote_kwargs == {"remote_security": "none"}
-    assert impls.availability(impls.IMPLS["fastmq-remote-both"]) == (True, "")
+    assert impls.REMOTE_ROWS["fastmq-remote-both+plain"] == "vllm-remote-both"
 
 
-def test_pyzmq_baseline_handshakes_with_several_readers(tmp_path):
-    # XPUB passes on only the first subscription to a topic unless verbose:
-    # the writer would wait for the second reader's forever.
+def test_floors_run_with_several_readers(tmp_path):
+    # Each floor's readers are told their batch of rounds through the queue;
+    # the pipe floor's readers open the writer's pipes: two readers each.
     out = tmp_path / "out.json"
-    proc = bench("--quick", "--scenario", "step", "--impl", "pyzmq", "--readers", "2",
-                 "--sizes", "1K", "--timeout", "10", "--json", str(out), timeout=120)
+    proc = bench("--quick", "--scenario", "step,wake,tensor", "--impl",
+                 "floor,floor-futex,floor-pipe", "--readers", "2", "--sizes", "1K",
+                 "--timeout", "20", "--json", str(out), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (r,) = json.loads(out.read_text())["records"]
-    assert (r["impl"], r["n_readers"]) == ("pyzmq", 2) and r["samples"] > 0
+    got = {(r["scenario"], r["impl"]): r for r in json.loads(out.read_text())["records"]}
+    assert set(got) == {("step", "floor"), ("step", "floor+pickle"), ("tensor", "floor"),
+                        ("wake", "floor-futex"), ("wake", "floor-pipe")}
+    for r in got.values():
+        assert r["n_readers"] == 2 and r["samples"] > 0 and r["p50"] > 0, r
+    assert got[("wake", "floor-pipe")]["samples"] == 2 * config.preset("quick").wake_samples
 
 
 def test_quick_is_one_run_of_every_figure():
     # CI runs --quick: one run, the fewest samples that still verify.
     p = config.preset("quick")
     assert p.repeats == 1 and config.preset("full").repeats >= 3
-    # The executor and generate scenarios start vLLM (minutes here): not in --quick.
-    assert p.readers["executor"] == [] and p.readers["generate"] == []
-    assert all(ns == [1] for s, ns in p.readers.items() if s not in ("executor", "generate"))
+    # The generate scenario starts vLLM (minutes here): not in --quick.
+    assert p.readers["generate"] == []
+    assert all(ns == [1] for s, ns in p.readers.items() if s != "generate")
 
 
 @pytest.mark.parametrize("broken, scenario, expect", [
@@ -262,9 +251,11 @@ def test_broken_implementation_fails_the_run(tmp_path, monkeypatch, capsys, brok
 
     # The writer lives in this process: its third message (inside the warm-up) is lost
     # or has one byte (or its number) wrong.
-    send, count = impls._QueueWriter.send, [0]
+    from fastmq import MessageQueue
 
-    def faulty(self, obj, timeout):
+    send, count = MessageQueue.enqueue, [0]
+
+    def faulty(self, obj, timeout=None):
         if obj is not None:
             count[0] += 1
             if count[0] == 3:
@@ -273,7 +264,7 @@ def test_broken_implementation_fails_the_run(tmp_path, monkeypatch, capsys, brok
                 obj = _corrupt(obj)
         send(self, obj, timeout)
 
-    monkeypatch.setattr(impls._QueueWriter, "send", faulty)
+    monkeypatch.setattr(MessageQueue, "enqueue", faulty)
     monkeypatch.setenv("FASTMQ_VLLM", "0")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     out = tmp_path / "out.json"
@@ -355,17 +346,17 @@ def test_list_names_every_implementation(capsys):
     from fastmq.bench.__main__ import main
 
     # Only the selected implementations are checked (vLLM is not imported).
-    assert main(["--list", "--scenario", "step,wake", "--impl", "fastmq-zmq,pyzmq"]) == 0
+    assert main(["--list", "--scenario", "step,wake", "--impl", "fastmq-futex,floor-pipe"]) == 0
     out = capsys.readouterr().out.splitlines()
     start = next(i for i, ln in enumerate(out) if ln.startswith("implementations"))
     lines = {ln.split()[0]: ln for ln in out[start + 1:]}
-    assert set(lines) == {"fastmq-futex", "fastmq-zmq", "fastmq-spin", "fastmq-futex+arena",
+    assert set(lines) == {"fastmq-futex", "fastmq-futex+arena",
                           "fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain",
                           "fastmq-remote-both", "fastmq-remote-both+encrypt",
                           "fastmq-remote-both+plain", "vllm", "vllm+arena", "vllm-remote",
-                          "vllm-remote-both", "pyzmq", "floor", "floor-futex", "floor-pipe"}
-    assert lines["fastmq-zmq"].endswith("; step, wake; yes")
-    assert lines["pyzmq"].endswith("; step, wake; yes")
+                          "vllm-remote-both", "floor", "floor-futex", "floor-pipe"}
+    assert lines["fastmq-futex"].endswith("; step, wake; yes")
+    assert lines["floor-pipe"].endswith("; wake; yes")
     assert lines["vllm"].endswith("; not selected; not checked")
 
 
@@ -414,8 +405,11 @@ def test_tensor_checksum_reads_every_byte():
         u = t.clone()
         u[i] += 1
         assert harness.checksum(u) != harness.tensor_expected(n, 5)
-    # Buffers whose length is not a multiple of 8 count their tail bytes.
-    assert harness.checksum(b"\x01" * 9) == 0x0101010101010101 + 1
+    # The sum wraps at 64 bits, as the expected value does.
+    big = torch.full((4,), 1 << 62, dtype=torch.int64)
+    assert harness.checksum(big) == (4 << 62) % (1 << 64) == 0
+    with pytest.raises(harness.VerifyError, match="non-contiguous"):
+        harness.checksum(torch.arange(16, dtype=torch.int64).view(4, 4).t())
 
 
 def test_percentiles_are_nearest_rank():
@@ -519,16 +513,20 @@ def test_a_floor_slower_than_what_it_bounds_is_marked():
     recs = [_rec("step", "floor", 300.0, config.MiB), _rec("step", "fastmq-futex", 200.0,
                                                             config.MiB),
             _rec("step", "vllm", 400.0, config.MiB),
-            _rec("wake", "floor-pipe", 60.0, None), _rec("wake", "fastmq-spin", 50.0, None),
+            _rec("wake", "floor-pipe", 60.0, None), _rec("wake", "floor-futex", 50.0, None),
             _rec("wake", "fastmq-futex", 90.0, None)]
     notes = figures.check_floors(recs)
     assert recs[0]["not_a_floor"] == ["fastmq-futex"]
     assert len(notes) == 1 and notes[0].startswith("NOT A FLOOR: floor (step 1 MiB, N=1)")
-    # A spinning reader never parks: the parked-reader floor does not bound it.
-    assert "not_a_floor" not in recs[3]
-    recs[0]["p50"] = 100.0
-    del recs[0]["not_a_floor"]
-    assert figures.check_floors(recs) == [] and "not_a_floor" not in recs[0]
+    # The C futex floor bounds the pipe floor too; the pipe floor only the queues.
+    assert "not_a_floor" not in recs[3] and "not_a_floor" not in recs[4]
+    recs[4]["p50"] = 70.0
+    assert figures.check_floors(recs)[1].startswith("NOT A FLOOR: floor-futex (wake, N=1)")
+    assert recs[4]["not_a_floor"] == ["floor-pipe"]
+    recs[0]["p50"], recs[4]["p50"] = 100.0, 50.0
+    for r in recs:
+        r.pop("not_a_floor", None)
+    assert figures.check_floors(recs) == [] and not any("not_a_floor" in r for r in recs)
 
 
 def _readme_block() -> str:
@@ -640,27 +638,7 @@ def test_wake_floor_validates_and_measures():
         seg.close()
 
 
-def test_watchdog_interrupts_a_receive_without_timeout():
-    import time
-
-    import zmq
-
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PULL)
-    s.bind("inproc://fastmq-bench-watchdog")
-    try:
-        w = harness.Watchdog(0.3, "pyzmq (step, N=1): no answer from the readers")
-        t0 = time.monotonic()
-        with pytest.raises(harness.BenchError, match="no answer from the readers within 0 s"):
-            s.recv()  # nobody sends: only the watchdog ends this
-        w.stop()
-        assert time.monotonic() - t0 < 30
-    finally:
-        s.close(linger=0)
-        ctx.term()
-
-
-def test_floor_pingpong_and_memcpy_validate_their_arguments():
+def test_floor_pingpong_validates_its_arguments():
     from fastmq import _floor, segments
 
     assert _floor.segment_size(1, 100) == _floor.PAYLOAD_OFF + 100
@@ -682,19 +660,12 @@ def test_floor_pingpong_and_memcpy_validate_their_arguments():
         segments.forget_segment(seg.name)
         seg.unlink()
         seg.close()
-    src = np.arange(4096, dtype=np.uint8)
-    dst = np.zeros(4096, dtype=np.uint8)
-    out = np.zeros(5, dtype=np.int64)
-    _floor.time_memcpy(dst, src, out)
-    assert (dst == src).all() and (out >= 0).all()
-    with pytest.raises(ValueError):
-        _floor.time_memcpy(np.zeros(10, np.uint8), src, out)
 
 
 def test_the_pickling_floor_times_each_round():
-    from fastmq.bench import floors
+    from fastmq.bench import step
 
-    out = floors.pickle_rounds(config.KiB, 2, 5)
+    out = step.pickle_rounds(config.KiB, 2, 5)
     assert out.shape == (5,) and (out > 0).all()
 
 
@@ -727,7 +698,7 @@ def test_vllm_baseline_is_vllms_own_queue():
     import sys
 
     code = ("from fastmq.bench.__main__ import main; main(['--list']); "
-            "from fastmq.bench import impls; print(impls._vllm_mq().__module__)")
+            "from fastmq.bench import impls; print(impls.IMPLS['vllm'].mq_class().__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr

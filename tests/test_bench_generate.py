@@ -38,7 +38,7 @@ def test_generate_is_a_scenario_selected_by_name():
 
 def test_generate_table_and_summary_rows():
     recs = _records()
-    text = report.section(recs, scenario.get("generate"), md=True)
+    text = report.section(recs, scenario.get("generate"))
     assert "ms per token" in text and "CPU s per token" in text
     assert "| 2* | 1 sequence | fastmq-futex | 5.00 |" in text
     rows = [r for r in report.summary_rows(recs) if r[0].startswith("real generation")]

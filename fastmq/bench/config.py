@@ -1,14 +1,13 @@
 """The presets and the parameters every scenario and reader process reads."""
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 
 KiB = 1 << 10
 MiB = 1 << 20
 
-SCENARIOS = ("step", "throughput", "tensor", "wake", "executor", "generate")
+SCENARIOS = ("step", "throughput", "tensor", "wake", "generate")
 
 
 @dataclass
@@ -22,9 +21,9 @@ class Params:
     # readers per scenario (N): the runs with 1 writer and N readers.
     readers: dict = field(default_factory=lambda: {
         "step": [1, 2], "throughput": [1, 2], "tensor": [1, 2], "wake": [1],
-        # executor, generate: vLLM's start-up takes minutes here; --readers
-        # or --full (generate: N = tensor parallel size).
-        "executor": [], "generate": []})
+        # generate (N = tensor parallel size): vLLM's start-up takes minutes
+        # here; by name, --readers or --full.
+        "generate": []})
     # step: executor round trip of one payload per size.
     step_sizes: list = field(default_factory=lambda: [100, KiB, 64 * KiB, MiB])
     step_warmup: int = 200          # round trips per size not counted
@@ -39,10 +38,9 @@ class Params:
     tp_reps: int = 2
     # tensor: CPU tensor broadcast, every reader reads every byte.
     tensor_sizes: list = field(default_factory=lambda: [16 * MiB, 64 * MiB])
-    # Warm-up covers a cycle of the ring's chunks and the arenas' slots (10
-    # and 8 by default): the counted messages are the steady state, not
-    # the first touch of fresh shared-memory pages (the first message's
-    # time is reported separately).
+    # Warm-up covers a cycle of the ring's chunks and the arenas' slots (10 and 8 by
+    # default): the counted messages are the steady state, not the first touch of fresh
+    # shared-memory pages (the first message's time is reported separately).
     tensor_warmup: int = 10
     tensor_reps: int = 4
     # wake: one message after the readers went idle (parked).
@@ -53,39 +51,31 @@ class Params:
     # every blocking operation of the harness gives up after this long.
     timeout_s: float = 60.0
 
-    def replace(self, **kw) -> "Params":
-        return dataclasses.replace(self, **kw)
+
+_PRESETS = {
+    "default": {},
+    "quick": dict(
+        readers={"step": [1], "throughput": [1], "tensor": [1], "wake": [1], "generate": []},
+        step_sizes=[KiB, MiB], step_warmup=10, step_min=20, step_max=100, step_budget_s=0.02,
+        tp_budget_s=0.05, tp_max_msgs=5_000, tp_warmup_reps=0, tp_reps=1,
+        tensor_sizes=[16 * MiB], tensor_warmup=2, tensor_reps=1,
+        wake_samples=2, wake_warmup=2, wake_gap_s=0.02, idle_window_s=0.1, timeout_s=30.0),
+    "full": dict(
+        repeats=3, readers={"step": [1, 2, 4], "throughput": [1, 2, 4], "tensor": [1, 2, 4],
+                            "wake": [1, 2], "generate": [2]},
+        step_sizes=[100, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
+        step_warmup=300, step_min=500, step_max=10_000, step_budget_s=0.4,
+        tp_budget_s=0.5, tp_max_msgs=500_000, tp_warmup_reps=1, tp_reps=2,
+        tensor_sizes=[16 * MiB, 64 * MiB, 256 * MiB], tensor_warmup=9, tensor_reps=5,
+        wake_samples=20, wake_warmup=30, idle_window_s=5.0, timeout_s=120.0),
+}
 
 
 def preset(name: str) -> Params:
     """quick: CI's smoke run; default: minutes on 2 cores; full: every figure, 3 runs."""
-    if name == "default":
-        return Params()
-    if name == "quick":
-        return Params(
-            preset="quick",
-            readers={"step": [1], "throughput": [1], "tensor": [1], "wake": [1], "executor": [],
-                     "generate": []},
-            step_sizes=[KiB, MiB], step_warmup=10, step_min=20, step_max=100,
-            step_budget_s=0.02,
-            tp_budget_s=0.05, tp_max_msgs=5_000, tp_warmup_reps=0, tp_reps=1,
-            tensor_sizes=[16 * MiB], tensor_warmup=2, tensor_reps=1,
-            wake_samples=2, wake_warmup=2, wake_gap_s=0.02, idle_window_s=0.1,
-            timeout_s=30.0,
-        )
-    if name == "full":
-        return Params(
-            preset="full", repeats=3,
-            readers={"step": [1, 2, 4], "throughput": [1, 2, 4], "tensor": [1, 2, 4],
-                     "wake": [1, 2], "executor": [1, 2], "generate": [2]},
-            step_sizes=[100, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB],
-            step_warmup=300, step_min=500, step_max=10_000, step_budget_s=0.4,
-            tp_budget_s=0.5, tp_max_msgs=500_000, tp_warmup_reps=1, tp_reps=2,
-            tensor_sizes=[16 * MiB, 64 * MiB, 256 * MiB], tensor_warmup=9, tensor_reps=5,
-            wake_samples=20, wake_warmup=30, idle_window_s=5.0,
-            timeout_s=120.0,
-        )
-    raise ValueError(f"unknown preset {name!r}")
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}")
+    return Params(preset=name, **_PRESETS[name])
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*$")

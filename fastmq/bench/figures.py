@@ -8,8 +8,7 @@ import statistics
 from fastmq.bench import scenario
 from fastmq.bench.scenario import num, quotient
 
-# The JSON files' format.
-SCHEMA = "fastmq-bench/3"
+SCHEMA = "fastmq-bench/3"  # the JSON files' format
 
 
 def key(r: dict) -> tuple:
@@ -21,48 +20,37 @@ def annotate(records: list[dict]) -> None:
     idx = {key(r): r for r in records}
     for r in records:
         spec = scenario.get(r["scenario"])
-        if r["impl"] in spec.hidden:
-            continue
 
         def other(impl):
             return idx.get((r["scenario"], impl, r["n_readers"], r["size_bytes"]))
 
-        v = other(spec.counterpart(r["impl"]) or "")
-        r["vs_vllm"] = quotient(r, v, "p50", spec) if spec.counterpart(r["impl"]) else None
-        r["vs_floor"] = quotient(r, other(spec.floor), "p50", spec) if spec.floor else None
+        v = other(spec.rows.get(r["impl"], "vllm"))  # None: vLLM compared with nothing
+        r["vs_vllm"] = quotient(r, v, "p50", spec)
+        r["vs_floor"] = quotient(r, other(spec.floor), "p50", spec)
         for name, field in spec.extra_ratios.items():
-            r[name] = quotient(r, v, field, spec) if spec.counterpart(r["impl"]) else None
+            r[name] = quotient(r, v, field, spec)
 
 
-_SUM = {"samples", "messages", "reps"}
-_MIN = {"min", "rate_min"}
-_MAX = {"max", "rate_max", "cpu_pct_max"}
+# How repeated runs combine (else: a float's median); each run's own _RUNS are kept too.
+_COMBINE = {"samples": sum, "messages": sum, "reps": sum, "min": min, "rate_min": min,
+            "max": max, "rate_max": max}
 _RUNS = ("p50", "rate", "vs_vllm", "vs_floor")
 
 
 def merge(runs: list[list[dict]]) -> list[dict]:
     """Repeated runs: medians with each run's value kept (the spread); ratios of medians."""
     groups: dict[tuple, list[dict]] = {}
-    for run in runs:
-        for r in run:
-            groups.setdefault(key(r), []).append(r)
+    for r in (r for run in runs for r in run):
+        groups.setdefault(key(r), []).append(r)
     out = []
     for rs in groups.values():
         m = dict(rs[0], runs=len(rs))
         for k, v in rs[0].items():
             vals = [r.get(k) for r in rs]
-            if k in _SUM:
-                m[k] = sum(vals)
-            elif k in _MIN:
-                m[k] = min(vals)
-            elif k in _MAX and None not in vals:
-                m[k] = max(vals)
-            elif isinstance(v, float) and None not in vals:
-                m[k] = statistics.median(vals)
-        for k in _RUNS:
-            if k in rs[0]:
-                vals = [r.get(k) for r in rs]
+            if k in _RUNS:
                 m[f"{k}_runs"] = None if None in vals else vals
+            if None not in vals and (k in _COMBINE or isinstance(v, float)):
+                m[k] = _COMBINE.get(k, statistics.median)(vals)
         out.append(m)
     annotate(out)
     return out
@@ -77,15 +65,16 @@ def check_floors(records: list[dict]) -> list[str]:
         if bounds is None:
             continue
         slower_than = sorted(r["impl"] for r in records if key(r)[::2] == key(f)[::2]
-                             and r["size_bytes"] == f["size_bytes"] and r is not f
-                             and bounds(r["impl"]) and r["p50"] < f["p50"])
+                             and key(r)[3] == key(f)[3] and bounds(r["impl"])
+                             and r["p50"] < f["p50"])
         if slower_than:
             f["not_a_floor"] = slower_than
             size = f" {spec.size_text(f['size_bytes'])}" if f["size_bytes"] else ""
             notes.append(
-                f"NOT A FLOOR: {f['impl']} ({f['scenario']}{size}, N={f['n_readers']}) measured {num(f['p50'])} {f['unit']}, slower than "
-                f"{', '.join(slower_than)}: the machine's load changed during the run (the "
-                "floor does a subset of their work). Rerun on a quiet machine.")
+                f"NOT A FLOOR: {f['impl']} ({f['scenario']}{size}, N={f['n_readers']}) measured "
+                f"{num(f['p50'])} {f['unit']}, slower than {', '.join(slower_than)}: the "
+                "machine's load changed during the run (the floor does a subset of their "
+                "work). Rerun on a quiet machine.")
     return notes
 
 
@@ -99,11 +88,15 @@ def busy_note(load_start, load_end, cpus: int) -> str | None:
 
 
 def load_results(path: str) -> dict:
-    """A ``--json`` file, its ratios and busy note derived under today's rules."""
+    """A ``--json`` file, its ratios and busy note derived under today's rules; rows of
+    scenarios and implementations the benchmark no longer has are left out."""
     with open(path) as f:
         result = json.load(f)
     if not isinstance(result.get("records"), list) or result.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not a {SCHEMA} JSON file")
+    specs = {s.name: s for s in scenario.every()}
+    result["records"] = [r for r in result["records"]
+                         if r["scenario"] in specs and r["impl"] in specs[r["scenario"]].rows]
     annotate(result["records"])
     m = result.get("machine", {})
     notes = [n for n in result.get("notes", []) if not n.startswith("The machine was busy")]
@@ -113,9 +106,8 @@ def load_results(path: str) -> dict:
 
 
 def write_json(path: str, result: dict) -> None:
-    out = result
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        json.dump(out, f, indent=1, allow_nan=False)
+        json.dump(result, f, indent=1, allow_nan=False)
         f.write("\n")
     os.replace(path + ".tmp", path)

@@ -22,11 +22,6 @@ def parse_rate(text: str) -> str:
     return rate
 
 
-def inside() -> str | None:
-    """The rate this process's run is shaped to (in its namespace), or None."""
-    return os.environ.get(ENV) or None
-
-
 def enter(rate: str, argv: list[str]) -> int:
     """This command again in a network namespace of its own; its exit status."""
     missing = [t for t in TOOLS if shutil.which(t) is None]

@@ -7,6 +7,8 @@ from fastmq.bench import scenario
 from fastmq.bench.figures import key
 from fastmq.bench.scenario import RATIO_RULE, fig, quotient, ratio, value
 
+_RULE = RATIO_RULE[0].upper() + RATIO_RULE[1:] + "."
+
 
 def render(headers: list[str], rows: list[list[str]], align: str, md: bool) -> str:
     """A table; ``align``: one ``l`` or ``r`` per column."""
@@ -34,11 +36,10 @@ def how(records: list[dict]) -> str:
             "medians" if runs > 1 else "one run (not a median of repeated runs)")
 
 
-def section(records: list[dict], spec, md: bool) -> str | None:
-    """A scenario's full table, then its notes."""
+def section(records: list[dict], spec) -> str | None:
+    """A scenario's full table in Markdown, then its notes."""
     order = {name: i for i, name in enumerate(spec.rows)}
-    rs = sorted((r for r in records if r["scenario"] == spec.name
-                 and r["impl"] not in spec.hidden),
+    rs = sorted((r for r in records if r["scenario"] == spec.name),
                 key=lambda r: (r["n_readers"], r["size_bytes"] or 0,
                                order.get(r["impl"], 99), r["impl"]))
     if not rs:
@@ -51,36 +52,29 @@ def section(records: list[dict], spec, md: bool) -> str | None:
     rows = [[n_cell(r), *([spec.size_text(r["size_bytes"])] if size_h else []),
              r["impl"] + (" (!)" if r.get("not_a_floor") else "")]
             + [cell(r) for _, cell in spec.columns] for r in rs]
-    align = "l" * (2 + len(size_h)) + "r" * len(spec.columns)
     notes = (["(!): a floor measured slower than a row it bounds: not a floor in this run "
               "(see the notes)."] if any(r.get("not_a_floor") for r in rs) else [])
     notes += spec.notes(rs, records)
-    text = (f"### {spec.title}\n\n" if md else f"{spec.title}\n") + render(headers, rows,
-                                                                           align, md)
-    return text + ("\n\n" + "\n".join(("- " if md else "  ") + n for n in notes)
-                   if notes else "")
+    table = render(headers, rows, "l" * (2 + len(size_h)) + "r" * len(spec.columns), True)
+    return f"### {spec.title}\n\n{table}" + ("\n\n" + "\n".join("- " + n for n in notes)
+                                               if notes else "")
 
 
-def _sizes(records, spec) -> list:
-    sizes = sorted({r["size_bytes"] or 0 for r in records if r["scenario"] == spec.name})
-    if spec.summary_size is None or not sizes:
-        return sizes
-    return [min(sizes, key=lambda s: abs(s - spec.summary_size))]
-
-
-def summary_rows(records: list[dict], readers=None, readme: bool = False) -> list[list[str]]:
+def summary_rows(records: list[dict], readme: bool = False) -> list[list[str]]:
     """``[figure, fastmq, compared with, ratio]`` per summary line; ``readme``: the headline."""
     idx = {key(r): r for r in records}
     rows = []
     for spec in scenario.every():
-        ns = sorted({r["n_readers"] for r in records
-                     if r["scenario"] == spec.name and r["n_readers"] > 0})
-        ns = ns[:1] if readme else [n for n in ns if readers is None or n in readers]
+        rs = [r for r in records if r["scenario"] == spec.name]
+        ns = sorted({r["n_readers"] for r in rs})[:1 if readme else None]
+        sizes = sorted({r["size_bytes"] or 0 for r in rs})
+        if spec.summary_size and sizes:  # the size nearest to the one it quotes
+            sizes = [min(sizes, key=lambda s: abs(s - spec.summary_size))]
         for line in spec.summary:
             if readme and not line.readme:
                 continue
             for n in ns:
-                for size in _sizes(records, spec)[:1 if readme else None]:
+                for size in sizes[:1 if readme else None]:
                     size = size or None
                     f = idx.get((spec.name, line.impl, n, size))
                     ref = idx.get((spec.name, line.ref, n, size))
@@ -106,8 +100,7 @@ def grid(records: list[dict], spec, pairs, column: str) -> tuple[list[str], list
     ns = sorted({r["n_readers"] for r in rs})
     idx = {key(r): r for r in rs}
     headers = ["path", spec.size_header or "size"] + [
-        f"N={n_cell(next(r for r in rs if r['n_readers'] == n))}: {column}"
-        for n in ns]
+        f"N={n_cell(next(r for r in rs if r['n_readers'] == n))}: {column}" for n in ns]
     rows = []
     for label, mine, ref in pairs:
         for size in sorted({r["size_bytes"] for r in rs}):
@@ -129,7 +122,7 @@ def summary(result: dict, md: bool) -> str:
     rows = summary_rows(recs)
     if rows:
         parts.append(_head(f"summary: fastmq against vLLM 0.33.0 and the floors "
-                           f"({how(recs)})", RATIO_RULE[0].upper() + RATIO_RULE[1:] + ".", md)
+                           f"({how(recs)})", _RULE, md)
                      + render(["figure", "fastmq", "compared with", "ratio"], rows,
                               "lrrr", md))
     rate = (result.get("link") or {}).get("rate")
@@ -143,11 +136,6 @@ def summary(result: dict, md: bool) -> str:
     return "\n\n".join(parts)
 
 
-def scenario_tables(result: dict, md: bool = False) -> str:
-    return "\n\n".join(s for s in (section(result["records"], spec, md)
-                                   for spec in scenario.every()) if s)
-
-
 def machine_line(result: dict) -> str:
     m, v = result["machine"], result["versions"]
     mem = f", {m['memory_bytes'] / (1 << 30):.0f} GiB" if m.get("memory_bytes") else ""
@@ -156,36 +144,30 @@ def machine_line(result: dict) -> str:
             f"CPUs{mem}, Linux {m['kernel']}, Python {m['python']}; {vers}")
 
 
-def notes_text(result: dict, md: bool) -> str:
-    return "\n".join(("- " if md else "* ") + n for n in result["notes"])
-
-
-def terminal(result: dict, tables: bool = False) -> str:
-    """The summary and notes; with ``tables`` every scenario's table first."""
-    return "\n\n".join(p for p in [
+def terminal(result: dict) -> str:
+    """The summary and the notes; every scenario's table is in the Markdown report."""
+    return "\n\n".join([
         f"fastmq-bench ({result['config']['preset']}): {machine_line(result)}",
-        scenario_tables(result) if tables else "",
         summary(result, md=False),
-        "notes:\n" + notes_text(result, md=False),
-        "" if tables else ("Every scenario's table (p90, p99, floors, pyzmq, each wait "
-                           "mode): rerun with --tables, or write them with --results-md FILE."),
-    ] if p)
+        "notes:\n" + "\n".join("* " + n for n in result["notes"]),
+        "Every scenario's table (p90, p99, the floors): write them with --results-md FILE."])
 
 
 def write_markdown(path: str, result: dict) -> None:
     rendered = ([f"(Rendered again from that run's JSON by `{result['rendered_by']}`.)", ""]
                 if result.get("rendered_by") else [])
+    sections = [s for s in (section(result["records"], spec) for spec in scenario.every())
+                if s]
     lines = ["# fastmq benchmark results", "",
              "Generated by this command (rerun it to regenerate this file):", "",
              "```", result["command"], "```", "", *rendered,
              f"Run {result['started']} ({result['duration_s']:.0f} s), preset "
              f"`{result['config']['preset']}`.", "",
              f"Machine: {machine_line(result)}.", "",
-             notes_text(result, md=True), "",
-             summary(result, md=True), "",
-             scenario_tables(result, md=True), "",
-             "Every figure, with the machine details, is in the JSON file written by "
-             f"`--json`. {RATIO_RULE[0].upper() + RATIO_RULE[1:]}.", ""]
+             "\n".join("- " + n for n in result["notes"]), "",
+             summary(result, md=True), "", "\n\n".join(sections), "",
+             f"Every figure, with the machine details, is in the JSON file written by "
+             f"`--json`. {_RULE}", ""]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines))

@@ -5,9 +5,9 @@ import gc
 import importlib
 import os
 import platform
-import shutil
 import sys
 import time
+from contextlib import suppress
 
 from fastmq.bench import figures, impls as impls_mod, scenario
 from fastmq.bench.config import SCENARIOS
@@ -15,10 +15,8 @@ from fastmq.bench.harness import BenchError, Env  # noqa: F401 (the command catc
 
 # Imported once by the forkserver: a reader starts in milliseconds, not a torch import.
 _PRELOAD = ["numpy", "zmq", "fastmq", "fastmq.bench.harness", "fastmq.bench.impls",
-            "fastmq.bench.floors"] + [f"fastmq.bench.{s}" for s in SCENARIOS]
-_VLLM_PRELOAD = ["vllm.distributed.device_communicators.shm_broadcast"]
-
-TORCH_EXTRA = "pip install 'vllm-fastmq[torch]'"
+            *(f"fastmq.bench.{s}" for s in SCENARIOS)]
+_VLLM = "vllm.distributed.device_communicators.shm_broadcast"
 
 
 def have_torch() -> bool:
@@ -31,67 +29,39 @@ def have_torch() -> bool:
 
 def skipped(scenarios: list[str]) -> dict[str, str]:
     return {} if have_torch() else {
-        s: f"skipped: needs torch, which is not installed ({TORCH_EXTRA})"
+        s: "skipped: needs torch, which is not installed (pip install 'vllm-fastmq[torch]')"
         for s in scenarios if scenario.get(s).needs_torch}
 
 
 class Progress:
-    """One status line on a terminal; one line per run otherwise (logs, CI)."""
+    """A line per run on stderr: how far the run is, and since when."""
 
     def __init__(self, total: int, enabled: bool = True):
-        self.enabled, self.tty = enabled, enabled and sys.stderr.isatty()
-        self.total, self.i, self.label, self.prefix = total, 0, "", ""
-        self.t0, self._shown = time.monotonic(), False
-
-    def _line(self, text: str | None) -> None:
-        s = int(time.monotonic() - self.t0)
-        line = "" if text is None else f"[{self.i}/{self.total} {s // 60}:{s % 60:02d}] {text}"
-        if self.tty:
-            width = shutil.get_terminal_size((100, 20)).columns - 1
-            sys.stderr.write("\r" + line[:width].ljust(width) + ("\r" if text is None else ""))
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        self._shown = text is not None
+        self.total, self.i, self.prefix, self.enabled = total, 0, "", enabled
+        self.t0 = time.monotonic()
 
     def start(self, label: str) -> None:
         self.i += 1
-        self.label = self.prefix + label
-        if self.enabled:
-            self._line(self.label)
-
-    def detail(self, text: str) -> None:
-        if self.tty:
-            self._line(f"{self.label}  {text}")
+        s = int(time.monotonic() - self.t0)
+        self.note(f"[{self.i}/{self.total} {s // 60}:{s % 60:02d}] {self.prefix}{label}")
 
     def note(self, text: str) -> None:
         if self.enabled:
-            self.clear()
             print(text, file=sys.stderr, flush=True)
-
-    def clear(self) -> None:
-        if self.tty and self._shown:
-            self._line(None)
 
 
 def plan(scenarios: list[str], only: str | None) -> dict:
     """``{scenario: [Impl, ...]}`` in report order."""
-    wanted = None
-    if only:
-        wanted = [n.strip() for n in only.split(",") if n.strip()]
-        unknown = [n for n in wanted if n not in impls_mod.IMPLS]
-        if unknown:
-            raise ValueError(f"unknown implementation(s) {', '.join(unknown)}; choose from "
-                             f"{', '.join(impls_mod.IMPLS)}")
-    out = {}
+    wanted = [n.strip() for n in (only or "").split(",") if n.strip()] or None
+    unknown = [n for n in wanted or [] if n not in impls_mod.IMPLS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(impls_mod.IMPLS)}")
     skip = skipped(scenarios)
-    for s in scenarios:
-        if s in skip:
-            continue
-        names = [n for n in scenario.get(s).impls if wanted is None or n in wanted]
-        chosen = [impls_mod.IMPLS[n] for n in names]
-        if chosen:
-            out[s] = chosen
+    out = {s: [impls_mod.IMPLS[n] for n in scenario.get(s).rows
+               if n in impls_mod.IMPLS and (wanted is None or n in wanted)]
+           for s in scenarios if s not in skip}
+    out = {s: lst for s, lst in out.items() if lst}
     if not out:
         why = "; ".join(f"{s}: {r}" for s, r in skip.items())
         raise ValueError("nothing to run: no selected implementation takes part in the "
@@ -100,17 +70,12 @@ def plan(scenarios: list[str], only: str | None) -> dict:
 
 
 def describe(plan_: dict, scenarios: list[str] | None = None) -> str:
-    lines = []
-    for s, why in skipped(scenarios or list(SCENARIOS)).items():
-        lines.append(f"scenario {s}: {why}")
+    lines = [f"scenario {s}: {why}" for s, why in skipped(scenarios or SCENARIOS).items()]
     lines.append("implementations (name: what it is; selected scenarios; runs here):")
     for impl in impls_mod.IMPLS.values():
         where = [s for s, lst in plan_.items() if impl in lst]
-        if where:
-            ok, why = impls_mod.availability(impl)
-            state = "yes" if ok else "no: " + why
-        else:
-            state = "not checked"
+        ok, why = impls_mod.availability(impl) if where else (None, "")
+        state = "not checked" if ok is None else "yes" if ok else "no: " + why
         lines.append(f"  {impl.name:26s} {impl.description}; "
                      f"{', '.join(where) or 'not selected'}; {state}")
     return "\n".join(lines)
@@ -119,22 +84,18 @@ def describe(plan_: dict, scenarios: list[str] | None = None) -> str:
 def run(plan_: dict, params, progress: bool = True, scenarios: list[str] | None = None) -> dict:
     load_start = loadavg()
     selected = {i.name: i for lst in plan_.values() for i in lst}
-    with_vllm = any(i.family == "vllm" for i in selected.values())
-    torch_ok = have_torch()
-    env = Env((["torch"] if torch_ok else []) + _PRELOAD + (_VLLM_PRELOAD if with_vllm else []))
-    notes: list[str] = []
     skip = skipped(scenarios or list(plan_))
-    for s, why in skip.items():
-        notes.append(f"Scenario {s} {why}.")
+    notes = [f"Scenario {s} {why}." for s, why in skip.items()]
     available = {}
     for name, impl in selected.items():
         ok, why = impls_mod.availability(impl)  # imports vLLM here, once
         available[name] = {"available": ok, "reason": why, "description": impl.description}
         if not ok:
             notes.append(f"{name} not measured: {why}.")
-    if with_vllm and not any(v["available"] for n, v in available.items()
-                             if selected[n].family == "vllm"):
+    vllm = [available[n]["available"] for n, i in selected.items() if i.family == "vllm"]
+    if vllm and not any(vllm):
         notes.append("No vLLM figures, so no ratios against vLLM.")
+    env = Env((["torch"] if have_torch() else []) + _PRELOAD + ([_VLLM] if any(vllm) else []))
     # torch and vLLM are imported now and stay: keep their objects out of
     # the collections that closing each run's queues makes.
     gc.freeze()
@@ -145,45 +106,23 @@ def run(plan_: dict, params, progress: bool = True, scenarios: list[str] | None 
     prog = Progress(repeats * sum(len(lst) * len(params.readers.get(s, []))
                                   for s, lst in plan_.items()), enabled=progress)
     runs: list[list[dict]] = []
-    seconds: dict = {}
-    try:
-        for rep in range(repeats):
-            records: list[dict] = []
-            for s, lst in plan_.items():
-                t0 = time.monotonic()
-                if repeats > 1:
-                    prog.prefix = f"run {rep + 1}/{repeats}  "
-                records += importlib.import_module(f"fastmq.bench.{s}").run(env, lst, params, prog)
-                seconds[s] = round(seconds.get(s, 0.0) + time.monotonic() - t0, 1)
-            runs.append(records)
-    finally:
-        prog.clear()
-
-    for records in runs:
+    for rep in range(repeats):
+        records: list[dict] = []
+        prog.prefix = f"run {rep + 1}/{repeats}  " if repeats > 1 else ""
+        for s, lst in plan_.items():
+            records += importlib.import_module(f"fastmq.bench.{s}").run(env, lst, params, prog)
         figures.annotate(records)
+        runs.append(records)
+
     records = figures.merge(runs)
-    floor_notes = figures.check_floors(records)
     load_end = loadavg()
-    notes += floor_notes
-    notes += _notes(records, params, env, load_start, load_end)
-    cfg = {k: v for k, v in vars(params).items()}
-    cfg["scenarios"] = list(plan_)
-    cfg["implementations"] = {s: [i.name for i in lst] for s, lst in plan_.items()}
-    m = _machine()
-    m["loadavg_start"], m["loadavg_end"] = load_start, load_end
-    return {
-        "schema": figures.SCHEMA,
-        "machine": m,
-        "versions": versions(with_vllm and any(
-            v["available"] for n, v in available.items() if selected[n].family == "vllm")),
-        "config": cfg,
-        "implementations": available,
-        "skipped_scenarios": skip,
-        "notes": notes,
-        "floor_notes": floor_notes,
-        "scenario_seconds": seconds,
-        "records": records,
-    }
+    notes += figures.check_floors(records) + _notes(records, params, env, load_start, load_end)
+    machine = dict(_machine(), loadavg_start=load_start, loadavg_end=load_end)
+    config = dict(vars(params), scenarios=list(plan_),
+                  implementations={s: [i.name for i in lst] for s, lst in plan_.items()})
+    return {"schema": figures.SCHEMA, "machine": machine, "versions": versions(any(vllm)),
+            "config": config, "implementations": available, "skipped_scenarios": skip,
+            "notes": notes, "records": records}
 
 
 def _notes(records, params, env, load_start, load_end) -> list[str]:
@@ -197,26 +136,21 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
             f"than cores, so their figures include waiting for a core. N=1 (TP=1) is the "
             f"clean figure.")
     busy = figures.busy_note(load_start, load_end, cpus)
-    if busy:
-        notes.append(busy)
+    notes += [busy] if busy else []
     if params.preset == "quick":
         notes.append("--quick is a smoke run: too few samples for figures to quote.")
-    if params.repeats > 1:
-        notes.append(f"Every figure is the median of {params.repeats} runs (each run measures "
-                     "every implementation once, in turn); runs' p50 = the lowest and the "
-                     "highest run's value.")
-    else:
-        notes.append("One run: figures are not medians of repeated runs (--repeat 3 or "
-                     "--full for those).")
-    fake_arena = sorted({r["impl"] for r in records
-                         if r["impl"].startswith("fastmq") and r["impl"].endswith("+arena")
-                         and r.get("arena_active") is False})
-    if fake_arena:
-        notes.append(f"{', '.join(fake_arena)} ran without a tensor arena: this fastmq build "
-                     "has none (enable_shm_tensor_arena had no effect), so it measures the "
-                     "same path as fastmq-futex.")
-    notes.append(f"Ratios: {scenario.RATIO_RULE}. vs vLLM compares with vLLM on the same path (arena "
-                 "with arena, arena off with arena off, remote with remote of the same "
+    notes.append(f"Every figure is the median of {params.repeats} runs (each run measures "
+                 "every implementation once, in turn); runs' p50 = the lowest and the "
+                 "highest run's value." if params.repeats > 1 else
+                 "One run: figures are not medians of repeated runs (--repeat 3 or --full "
+                 "for those).")
+    no_arena = sorted({r["impl"] for r in records if r["impl"].startswith("fastmq")
+                       and r["impl"].endswith("+arena") and r.get("arena_active") is False})
+    if no_arena:
+        notes.append(f"{', '.join(no_arena)} ran without a tensor arena (FASTMQ_ARENA=0 "
+                     "turns it off), so it measures the same path as fastmq-futex.")
+    notes.append(f"Ratios: {scenario.RATIO_RULE}. vs vLLM compares with vLLM on the same path "
+                 "(arena with arena, arena off with arena off, remote with remote of the same "
                  "shape); vs floor with the scenario's floor. Warm-up rounds are excluded; "
                  "every reader verifies every message (number and content) and the run "
                  "fails otherwise.")
@@ -224,34 +158,21 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
 
 
 def _proc_field(path: str, key: str) -> str | None:
-    try:
-        with open(path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith(key)), None)
-    except OSError:
-        return None
+    with open(path) as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith(key)), None)
 
 
-def loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _machine() -> dict:
-    mem = _proc_field("/proc/meminfo", "MemTotal:")
-    return {
-        "cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor()
-        or "unknown",
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)),
-        "kernel": platform.release(),
-        "os": platform.platform(),
-        "machine": platform.machine(),
-        "memory_bytes": int(mem.split()[0]) * 1024 if mem else None,
-        "python": platform.python_version(),
-    }
+    return {"cpu_model": _proc_field("/proc/cpuinfo", "model name") or platform.processor()
+            or "unknown", "logical_cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)), "kernel": platform.release(),
+            "os": platform.platform(), "machine": platform.machine(),
+            "memory_bytes": int(_proc_field("/proc/meminfo", "MemTotal:").split()[0]) * 1024,
+            "python": platform.python_version()}
 
 
 def versions(with_vllm: bool) -> dict:
@@ -263,17 +184,7 @@ def versions(with_vllm: bool) -> dict:
 
     out = {"fastmq": fastmq.__version__, "torch": None, "pyzmq": zmq.__version__,
            "libzmq": zmq.zmq_version(), "numpy": numpy.__version__}
-    try:
-        import torch
-
-        out["torch"] = torch.__version__
-    except ImportError:
-        pass
-    if with_vllm:
-        try:
-            import vllm
-
-            out["vllm"] = vllm.__version__
-        except Exception:
-            out["vllm"] = None
+    for name in ("torch", "vllm") if with_vllm else ("torch",):
+        with suppress(Exception):  # vLLM: failing at import time too
+            out[name] = importlib.import_module(name).__version__
     return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections import namedtuple
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -12,25 +13,16 @@ RATIO_RULE = ("ratio = the reference's time / this row's time (for rates: this r
               "the reference's rate): above 1x this row is faster than the reference")
 
 
-@dataclass(frozen=True)
-class Line:
-    """A summary line: ``impl``'s ``field`` against ``ref``'s."""
-
-    label: str
-    impl: str
-    ref: str
-    field: str = "p50"
-    unit: str = "us"
-    readme: bool = False
+# A summary line: ``impl``'s ``field`` against ``ref``'s; ``readme``: in the README's table.
+Line = namedtuple("Line", "label impl ref field unit readme", defaults=("p50", "us", False))
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
     title: str
-    impls: tuple                  # what runs, in report order
-    # Every row the scenario reports, in order, with the vLLM row it is
-    # compared with (None: not compared); rows not named compare with "vllm".
+    # Every row reported, in order (the implementations among them run in this order),
+    # with the vLLM row it is compared with (None: none).
     rows: dict
     columns: tuple                # (header, cell(record) -> str) after N, size, row
     floor: str | None = None      # the "vs floor" reference
@@ -42,14 +34,10 @@ class Scenario:
     rate: bool = False            # figures are rates (higher is better)
     summary: tuple = ()           # Line, ...
     summary_size: int | None = None   # the size the summary quotes (nearest); None: every size
-    grids: tuple = ()             # (title, note, ((label, impl, ref), ...)), see report.grid
+    grids: tuple = ()             # (title, note, column, ((label, impl, ref), ...)): report.grid
     extra_ratios: dict = field(default_factory=dict)  # name -> field compared with vLLM's
-    hidden: tuple = ()            # rows measured but not tabulated (notes show them)
     needs_torch: bool = False
     notes: Callable = lambda rs, records: []
-
-    def counterpart(self, impl: str) -> str | None:
-        return self.rows.get(impl, "vllm")
 
 
 def get(name: str) -> Scenario:
@@ -74,8 +62,7 @@ def quotient(mine: dict | None, ref: dict | None, field_: str, spec: Scenario):
     return a / b if spec.rate and field_ == "p50" else b / a
 
 
-# ---------------------------------------------------------------------------
-# number formats
+# -- number formats --------------------------------------------------------------
 
 def num(x, unit: str = "") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
@@ -117,11 +104,10 @@ def fig(r: dict, field_: str, unit: str, spec: Scenario, with_spread: bool = Tru
     return text if sp == "-" or not with_spread else f"{text} ({sp})"
 
 
-def latency_columns(unit: str, floor: str | None = "vs floor") -> tuple:
+def latency_columns(unit: str, floor: str = "vs floor") -> tuple:
     """The table columns of a scenario of p50/p90/p99 times in ``unit``."""
     return (("{p50} " + unit, lambda r: num(r["p50"])), ("runs' p50", spread),
             ("p90 " + unit, lambda r: num(r.get("p90"))),
             ("p99 " + unit, lambda r: num(r.get("p99"))),
             ("vs vLLM", lambda r: ratio(r.get("vs_vllm"))),
-            *(((floor, lambda r: ratio(r.get("vs_floor"))),) if floor else ()),
-            ("samples", lambda r: str(r["samples"])))
+            (floor, lambda r: ratio(r.get("vs_floor"))), ("samples", lambda r: str(r["samples"])))

@@ -11,9 +11,7 @@ NAME = "throughput"
 SPEC = Scenario(
     NAME, "throughput: small messages pipelined, 1 writer to N readers; messages per "
     "second delivered to every reader",
-    impls=("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq"),
-    rows={"fastmq-futex": "vllm", "fastmq-zmq": "vllm", "fastmq-spin": "vllm", "vllm": None,
-          "pyzmq": "vllm"},
+    rows={"fastmq-futex": "vllm", "vllm": None},
     columns=(("msgs/s", lambda r: rate(r["rate"])),
              ("min .. max", lambda r: f"{rate(r['rate_min'])} .. {rate(r['rate_max'])}"),
              ("vs vLLM", lambda r: ratio(r.get("vs_vllm"))),
@@ -50,8 +48,8 @@ def run(env, impls, params, progress) -> list[dict]:
     return groups(env, impls, params, progress, NAME, measure)
 
 
-def reader_loop(end, rank: int, params):
-    recv, reply, timeout = end.recv, end.reply, params.timeout_s
+def reader_loop(recv, reply, rank: int, params):
+    timeout = params.timeout_s
     payload = pattern(params.tp_payload)
     expect, got, ends = 1, 0, 0
     while True:

@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import os
+import select
 import time
+from contextlib import suppress
+from functools import partial
 
+import numpy as np
+
+from fastmq import _floor
+from fastmq.bench.harness import (BenchError, VerifyError, attached, bench_segment, groups,
+                                  record, serve)
 from fastmq.bench.impls import IMPLS
-from fastmq.bench.harness import VerifyError, groups, record, serve
 from fastmq.bench.scenario import Line, Scenario, latency_columns
 
 NAME = "wake"
@@ -14,8 +21,8 @@ NAME = "wake"
 def _notes(rs, records) -> list[str]:
     w = next((r for r in rs if not r["impl"].startswith("floor")), None)
     return ([f"idle before = the implementation's spin phase plus "
-             f"{w['idle_before_s'] - (w['spin_s'] or 0):.3g} s parked (fastmq-spin never "
-             "parks); the floors' writers sleep as long as fastmq-futex's writer; idle CPU % "
+             f"{w['idle_before_s'] - w['spin_s']:.3g} s parked; the floors' writers sleep "
+             "as long as fastmq-futex's writer; idle CPU % "
              f"= utime+stime from /proc over {w['cpu_window_s']:.1f} s after the last "
              "message, % of one core."] if w else []) + \
         (["floor-futex: a C reader parked in FUTEX_WAIT, the writer in C; floor-pipe: a "
@@ -30,17 +37,14 @@ _COLS = latency_columns("us", "vs pipe floor")
 SPEC = Scenario(
     NAME, "wake: one-way latency of one message to readers parked while idle "
     "(microseconds), and CPU used by an idle reader",
-    impls=("fastmq-futex", "fastmq-zmq", "fastmq-spin", "vllm", "pyzmq", "floor-futex",
-           "floor-pipe"),
-    rows={"fastmq-futex": "vllm", "fastmq-zmq": "vllm", "fastmq-spin": "vllm", "vllm": None,
-          "pyzmq": "vllm", "floor-pipe": "vllm", "floor-futex": "vllm"},
+    rows={"fastmq-futex": "vllm", "vllm": None, "floor-pipe": "vllm", "floor-futex": "vllm"},
     columns=(("idle before", lambda r: f"{r['idle_before_s']:.3g} s"), *_COLS[:-1],
              ("idle CPU %", lambda r: "-" if r.get("cpu_pct") is None
               else f"{r['cpu_pct']:.2f}"), _COLS[-1]),
     floor="floor-pipe",
-    # A reader that never sleeps (spin) is no parked reader.
-    bounds={"floor-pipe": lambda i: i != "fastmq-spin" and not i.startswith("floor"),
-            "floor-futex": lambda i: i != "fastmq-spin" and i != "floor-futex"},
+    # The C futex floor bounds the pipe floor too; the pipe floor only the queues.
+    bounds={"floor-pipe": lambda i: not i.startswith("floor"),
+            "floor-futex": lambda i: i != "floor-futex"},
     summary=(Line("wake from idle, one-way", "fastmq-futex", "vllm", readme=True),
              Line("wake from idle against the Python pipe floor", "fastmq-futex",
                   "floor-pipe"),
@@ -65,67 +69,109 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def cpu_ns(pid: int) -> int | None:
-    """Nanoseconds on CPU of ``pid``'s live threads (schedstat, finer than ticks), or None."""
-    total = 0
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return total
-
-
 def run(env, impls, params, progress) -> list[dict]:
-    from fastmq.bench import floors
-
-    def rec(impl, n, spin, idle, latencies, window=None, pct=None, fine=None):
-        return [record(NAME, impl.name, n, None, "us", env, latencies, 1e3,
-                       warmup=params.wake_warmup, spin_s=spin, idle_before_s=idle,
-                       cpu_window_s=window, cpu_pct=pct and sum(pct) / len(pct),
-                       cpu_pct_max=pct and max(pct),
-                       cpu_pct_schedstat=fine and sum(fine) / len(fine))]
-
-    def floor(impl, n):
-        # As long as fastmq's futex-mode writer sleeps: its spin phase plus the gap.
-        idle = IMPLS["fastmq-futex"].spin_s + params.wake_gap_s
-        wake = floors.wake_futex if impl.name == "floor-futex" else floors.wake_pipe
-        return rec(impl, n, 0.0, idle, wake(env, n, idle, params, progress))
-
     def measure(g):
-        spin = g.impl.spin_s
-        idle = (spin or 0.0) + params.wake_gap_s
-        latencies: list[int] = []
+        rec = dict(warmup=params.wake_warmup, spin_s=0.0, cpu_window_s=None, cpu_pct=None)
+        if g.impl.family == "floor":
+            # As long as fastmq's futex-mode writer sleeps: its spin phase plus the gap.
+            idle = IMPLS["fastmq-futex"].spin_s + params.wake_gap_s
+            wake = futex_floor if g.impl.name == "floor-futex" else pipe_floor
+            latencies = wake(g, idle, params)
+        else:
+            rec["spin_s"] = g.impl.spin_s
+            idle, latencies = rec["spin_s"] + params.wake_gap_s, []
+            for i in range(params.wake_warmup + params.wake_samples):
+                if i >= params.wake_warmup:
+                    time.sleep(idle)
+                acks = g.round_trip(("wake", i + 1, _now()), free=1)[1]
+                if i >= params.wake_warmup:
+                    latencies += [a[3] for a in acks]
+            ticks0, t0 = [cpu_ticks(p.pid) for p in g.procs], time.monotonic()
+            time.sleep(params.idle_window_s)
+            ticks1, window = [cpu_ticks(p.pid) for p in g.procs], time.monotonic() - t0
+            pct = [(b - a) / _CLK_TCK / window * 100 for a, b in zip(ticks0, ticks1)]
+            rec.update(cpu_window_s=window, cpu_pct=sum(pct) / len(pct))
+        return [record(NAME, g.impl.name, g.n, None, "us", env, latencies, 1e3,
+                       idle_before_s=idle, **rec)]
+
+    return groups(env, impls, params, progress, NAME, measure)
+
+
+def reader_loop(recv, reply, rank: int, params):
+    def answer(seq, stamp, t1):
+        if type(stamp) is tuple:  # a floor's rounds
+            return _floor_reader(rank, params, *stamp)
+        if t1 - stamp <= 0:
+            raise VerifyError(f"message {seq}: received before it was sent "
+                              f"({t1 - stamp} ns): not the message that was sent")
+        return (t1 - stamp,)
+
+    # Readers sit idle through the gaps and the idle-CPU window by design.
+    return serve(recv, reply, rank, params, NAME, answer, stamp=True, timeout=max(
+        params.timeout_s, params.idle_window_s + params.wake_gap_s + 5.0))
+
+
+def futex_floor(g, idle_s, params) -> list[int]:
+    """One-way latencies (ns) to C readers parked in FUTEX_WAIT, after ``idle_s`` asleep."""
+    with bench_segment(_floor.wake_segment_size(g.n)) as seg:
+        first = 1
+        for rounds, idle in ((params.wake_warmup, 0.0), (params.wake_samples, idle_s)):
+            lat = np.zeros((rounds, g.n), dtype=np.int64)
+            if rounds:
+                g.command(("futex", seg.name, g.n, first, rounds), partial(
+                    _floor.wake_writer, seg, g.n, first, int(idle * 1e9), lat,
+                    params.timeout_s + idle))
+            first += rounds
+    return lat.reshape(-1).tolist()
+
+
+def pipe_floor(g, idle_s, params) -> list[int]:
+    """One-way latencies (ns) to Python readers blocked in os.read() on a pipe."""
+    stamps, answers = [os.pipe() for _ in range(g.n)], [os.pipe() for _ in range(g.n)]
+    out: list[int] = []
+
+    def rounds():
         for i in range(params.wake_warmup + params.wake_samples):
             if i >= params.wake_warmup:
-                progress.detail(f"sample {i - params.wake_warmup + 1}/{params.wake_samples}")
-                time.sleep(idle)
-            acks = g.round_trip(("wake", i + 1, _now()), free=1)[1]
-            if i >= params.wake_warmup:
-                latencies += [a[3] for a in acks]
-        progress.detail(f"idle CPU over {params.idle_window_s:g} s")
-        ticks0, ns0 = [cpu_ticks(p) for p in g.pids], [cpu_ns(p) for p in g.pids]
-        t_a = time.monotonic()
-        time.sleep(params.idle_window_s)
-        ticks1, ns1 = [cpu_ticks(p) for p in g.pids], [cpu_ns(p) for p in g.pids]
-        window = time.monotonic() - t_a
-        return rec(g.impl, g.n, spin, idle, latencies, window,
-                   [(b - a) / _CLK_TCK / window * 100 for a, b in zip(ticks0, ticks1)],
-                   None if None in ns0 + ns1 else
-                   [(b - a) / 1e9 / window * 100 for a, b in zip(ns0, ns1)])
+                time.sleep(idle_s)
+            stamp = _now().to_bytes(8, "little")
+            for _, w in stamps:
+                os.write(w, stamp)
+            for rank, (r, _) in enumerate(answers):
+                if not select.select([r], [], [], params.timeout_s)[0]:
+                    raise TimeoutError(f"floor-pipe: no answer from reader {rank}")
+                data = os.read(r, 8)
+                if i >= params.wake_warmup:
+                    out.append(int.from_bytes(data, "little", signed=True))
+        for _, w in stamps:  # the readers see the end of their stamps
+            os.close(w)
 
-    return groups(env, impls, params, progress, NAME, measure, floor)
+    try:
+        # Each reader opens its ends through /proc: the writer's own pipes.
+        g.command(("pipe", os.getpid(), [(s[0], a[1]) for s, a in zip(stamps, answers)]),
+                  rounds)
+    finally:
+        for fd in {fd for pair in stamps + answers for fd in pair}:
+            with suppress(OSError):
+                os.close(fd)
+    if any(x <= 0 for x in out):
+        raise BenchError("floor-pipe: a reader saw a stamp from its future")
+    return out
 
 
-def _answer(seq, stamp, t1):
-    if t1 - stamp <= 0:
-        raise VerifyError(f"message {seq}: received before it was sent "
-                          f"({t1 - stamp} ns): not the message that was sent")
-    return (t1 - stamp,)
-
-
-def reader_loop(end, rank: int, params):
-    # Readers sit idle through the gaps and the idle-CPU window by design.
-    return serve(end, rank, params, "wake", _answer, stamp=True, timeout=max(
-        params.timeout_s, params.idle_window_s + params.wake_gap_s + 5.0))
+def _floor_reader(rank: int, params, kind: str, *args) -> tuple:
+    """A floor's reader side: the C futex floor's rounds, or the pipe floor's."""
+    if kind == "futex":
+        name, n, first, rounds = args
+        _floor.wake_reader(attached(name), n, rank, first, rounds, params.timeout_s)
+        return ()
+    now, read, write = _now, os.read, os.write
+    pid, (r, w) = args[0], args[1][rank]
+    rfd, wfd = os.open(f"/proc/{pid}/fd/{r}", os.O_RDONLY), os.open(f"/proc/{pid}/fd/{w}",
+                                                                   os.O_WRONLY)
+    while len(data := read(rfd, 8)) == 8:  # short: the writer closed its end
+        t1 = now()
+        write(wfd, (t1 - int.from_bytes(data, "little")).to_bytes(8, "little", signed=True))
+    os.close(rfd)
+    os.close(wfd)
+    return ()
