@@ -24,6 +24,7 @@ cdef enum:
 cdef enum:
     FRAME_HEAD = 8
     MARK_BYTES = 16
+    RESERVE_STEP = 65536     # pages are reserved in steps of this many bytes
     NOGIL_COPY_MIN = 65536   # copies this large release the GIL
 
 

@@ -16,10 +16,13 @@ cdef class RingWriter(RingEnd):
     # Messages and framed bytes send_object() / send_pickled() published.
     cdef readonly uint64_t sent_messages
     cdef readonly uint64_t sent_bytes
+    # Bytes of each chunk reserved so far.
+    cdef Py_ssize_t *reserved
 
     cdef inline bint writable(self, int idx) noexcept nogil
     cdef bint find_dead_reader(self, int idx) except -1
     cdef int publish(self, int idx) except -1
+    cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1
     cdef Py_ssize_t frame_and_publish(self, Py_ssize_t n, const char **ptrs,
                                       Py_ssize_t *lens, object timeout,
                                       bint committed) except -1000

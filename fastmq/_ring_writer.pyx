@@ -13,19 +13,22 @@ The read flags are reset before ``written`` is set, each a release store:
 a reader that sees its reset flag and then ``written == 1`` sees the whole
 payload (see fastmq/_ring_reader.pyx for the reader's load order).
 
-The ring's memory is reserved when it is created (fastmq/ring.py), so no
-write into a chunk can find its page missing.
+The writer reserves a chunk's pages (``Segment.reserve``, which first checks
+that the host has the memory) before it first writes that far into the
+chunk: memory running out then fails the send with ``ShmFullError`` instead
+of a fault or the OOM killer.  So a ring holds what its messages reached,
+as vLLM's does, not its whole size.
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from fastmq._native.atomic cimport (
     fmq_add_u32_seq, fmq_fence_seq, fmq_futex_wake_all, fmq_load_u8_acq, fmq_load_u32_seq,
     fmq_load_u64_acq, fmq_store_u8_rel, fmq_store_u32_rel, fmq_store_u64_rel)
 from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
-from fastmq._ring cimport (FRAME_HEAD, MARK_BYTES, NOGIL_COPY_MIN,
+from fastmq._ring cimport (FRAME_HEAD, MARK_BYTES, NOGIL_COPY_MIN, RESERVE_STEP,
                            ST_PICKLER_STALE, ST_READER_DIED, ST_READY, W_ZMQ, RingEnd,
                            claim_alive, spin_tick)
 from fastmq._ring_layout cimport *
@@ -58,7 +61,12 @@ cdef class RingWriter(RingEnd):
     (``dead_rank`` / ``dead_pid`` / ``dead_left`` name it)."""
 
     def __cinit__(self):
+        self.reserved = NULL
         self.dead_rank = -1
+
+    def __dealloc__(self):
+        free(self.reserved)
+        self.reserved = NULL
 
     @staticmethod
     def create(Segment seg, int n_reader, Py_ssize_t max_chunk_bytes,
@@ -69,6 +77,7 @@ cdef class RingWriter(RingEnd):
         if seg.size < total:
             raise ValueError("segment of %d bytes is smaller than the ring (%d)" % (seg.size, total))
         cdef char *b = <char *>seg.addr
+        seg.reserve(0, data_off, "the ring's header")
         memset(b, 0, data_off)
         _u32(b, H_VERSION)[0] = LAYOUT_VERSION
         _u32(b, H_NREADER)[0] = n_reader
@@ -93,6 +102,10 @@ cdef class RingWriter(RingEnd):
         self.park_counter = self.writer_parked
         self.park_word = self.write_seq
         self.spin_only = self.wait_mode == W_ZMQ
+        # Bytes of each chunk already reserved.
+        self.reserved = <Py_ssize_t *>calloc(self.max_chunks, sizeof(Py_ssize_t))
+        if self.reserved == NULL:
+            raise MemoryError()
         return self
 
     # -- the writer's turn -------------------------------------------------
@@ -201,12 +214,26 @@ cdef class RingWriter(RingEnd):
 
     def begin_write(self):
         """Take the next chunk for writing in place and return its index
-        (its written flag cleared); ``publish_chunk(idx)`` publishes it."""
+        (its written flag cleared).  All of it is reserved, so the caller may
+        write anywhere in it; ``publish_chunk(idx)`` publishes it."""
         self._check_open()
         cdef int idx = self.current_idx
         self._check_turn(idx)
+        self.reserve_chunk(idx, self.max_chunk_bytes)
         fmq_store_u8_rel(self.meta(idx), 0)
         return idx
+
+    cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1:
+        # Steady state: one comparison.  A chunk's reservation only grows,
+        # in RESERVE_STEP steps, so a stream of similar sizes pays one
+        # posix_fallocate per chunk in the ring's lifetime.
+        if nbytes <= self.reserved[idx]:
+            return 0
+        cdef Py_ssize_t want = min(_align(nbytes, RESERVE_STEP), self.max_chunk_bytes)
+        self.segment.reserve(self.data_off + idx * self.max_chunk_bytes, want,
+                             "writing a %d-byte message into ring chunk %d" % (nbytes, idx))
+        self.reserved[idx] = want
+        return 0
 
     def publish_chunk(self, int idx):
         self._check_open()
@@ -214,6 +241,13 @@ cdef class RingWriter(RingEnd):
             raise RuntimeError("fastmq ring: chunk %d is not the one being written (%d)"
                                % (idx, self.current_idx))
         self.publish(idx)
+
+    def reserve_next(self, Py_ssize_t nbytes):
+        """Reserve the next chunk's first ``nbytes`` (capped at the chunk)
+        now, so that a later ``send``/``send_overflow_mark`` into it cannot
+        fail for lack of memory (``ShmFullError`` here instead)."""
+        self._check_open()
+        self.reserve_chunk(self.current_idx, min(max(nbytes, MARK_BYTES), self.max_chunk_bytes))
 
     def framed_size(self, list buffers):
         """The bytes ``send(buffers)`` would fill in a chunk."""
@@ -231,9 +265,12 @@ cdef class RingWriter(RingEnd):
         the overflow path); or, with nothing sent, a wait status negated
         (``-LONG_WAIT``, ``-READER_DIED``): the caller acts on it, goes on
         with ``continue_wait()`` until ``READY``, and sends again.
+        ``ShmFullError`` when memory cannot back the chunk's pages:
+        nothing is published and the ring stays usable.
 
         ``committed``: the message already reached other readers (the
-        remote ones), so the chunk -- already free -- must take it too: no wait, and no
+        remote ones), so the chunk -- already free, and reserved by
+        ``reserve_next`` -- must take it too: no wait, and no
         ``cancel()`` refuses it.
         """
         self._check_open()
@@ -278,6 +315,7 @@ cdef class RingWriter(RingEnd):
             if status != ST_READY:
                 return -status
         idx = self.current_idx
+        self.reserve_chunk(idx, total)
         c = self.chunk(idx)
         fmq_store_u8_rel(self.meta(idx), 0)
         if total >= NOGIL_COPY_MIN:
@@ -370,6 +408,7 @@ cdef class RingWriter(RingEnd):
         self._check_open()
         cdef int idx = self.current_idx
         self._check_turn(idx)
+        self.reserve_chunk(idx, MARK_BYTES)
         fmq_store_u8_rel(self.meta(idx), 0)
         cdef char *c = self.chunk(idx)
         c[0] = 1

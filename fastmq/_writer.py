@@ -484,6 +484,8 @@ class QueueWriter:
             if ring is not None:
                 framed = ring.framed_size(buffers)
                 overflow = framed > ring.max_chunk_bytes
+                # Memory too must fail here, not after the commit point.
+                ring.reserve_next(framed)
             if overflow:
                 self._overflow_id += 1
                 _overflow.send_message(self.local_socket, self._overflow_id, buffers)

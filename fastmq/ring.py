@@ -13,7 +13,7 @@ from fastmq import _config, _proc
 from fastmq._ring import RingEnd, layout
 from fastmq._ring_reader import RingReader
 from fastmq._ring_writer import RingWriter
-from fastmq._segment import Segment
+from fastmq._segment import Segment, memory_available, shm_full_error
 from fastmq.segments import create_segment
 
 
@@ -61,7 +61,8 @@ class ShmRingBuffer:
     """The ring segment of a ``MessageQueue`` (vLLM-compatible surface).
 
     ``ShmRingBuffer(n_reader, max_chunk_bytes, max_chunks)`` creates a ring
-    (its memory reserved at once: ``ShmFullError`` if it cannot be had);
+    (``ShmFullError`` if the host has not the memory for all of it; its
+    chunks take memory as messages first reach them);
     passing ``name`` (the creator's ``name``, a segment locator) describes an
     existing one, which ``attach_reader`` maps (pickling an instance does
     exactly that on the other side).  As in vLLM, a name that cannot be
@@ -90,11 +91,15 @@ class ShmRingBuffer:
             self.is_creator = True
             seg = create_segment("ring", self.total_bytes_of_buffer)
             try:
-                # All of it now: a message can then never find its chunk
-                # without memory (a clear error here instead).
-                seg.reserve(0, self.total_bytes_of_buffer,
-                            f"the message queue ring ({max_chunks} x "
-                            f"{max_chunk_bytes / (1 << 20):g} MiB chunks)")
+                # The memory must be there now (a clear error here, not
+                # later), but is taken as messages first reach each chunk
+                # (RingWriter): a ring holds what it carried, as vLLM's does.
+                avail = memory_available()
+                if 0 <= avail < self.total_bytes_of_buffer:
+                    raise shm_full_error(
+                        f"the message queue ring ({max_chunks} x "
+                        f"{max_chunk_bytes / (1 << 20):g} MiB chunks)",
+                        self.total_bytes_of_buffer, seg.name)
                 pid, started = _proc.me()
                 self.ring = RingWriter.create(
                     seg, n_reader, max_chunk_bytes, max_chunks,

@@ -7,6 +7,7 @@ import time
 
 RING = dict(max_chunk_bytes=32 << 20, max_chunks=4)
 TENSOR_BYTES = 16 << 20
+PREFAULTED = 64 << 20
 
 
 def _wait_forever():
@@ -27,7 +28,11 @@ def writer(conn, n_reader: int, moment: str):
 
     if moment == "arena":
         import torch
-    mq = MessageQueue(n_reader, n_reader, enable_shm_tensor_arena=(moment == "arena"), **RING)
+    # One arena slot pre-faulted at creation: memory a leak could not hide.
+    mq = MessageQueue(n_reader, n_reader, enable_shm_tensor_arena=True, arena_slots=2,
+                      arena_slot_mb=PREFAULTED >> 20, arena_prefault=1, **RING)
+    while not mq.tensor_arena.core.prefault_idle():
+        time.sleep(0.01)
     conn.send(mq.export_handle())
     if moment == "handshake":
         conn.send("waiting")

@@ -11,8 +11,8 @@ node 1.
 listed in ``FILE`` (written by the test: the serve process and everything it
 started) has exited, then list, at once: fastmq's files in ``/dev/shm`` and
 the temporary directory, the processes anywhere on the host that still hold
-or map a segment made by one of them, ``Shmem`` and what this node's private
-``/dev/shm`` holds.  Prints ``LEFT {...}``.
+or map a segment made by one of them, ``Shmem``, what this node's private
+``/dev/shm`` holds and what its temporary directory holds.  Prints ``LEFT {...}``.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def inspect(a) -> int:
            "left": sorted(glob.glob("/dev/shm/fastmq_*")
                           + glob.glob(os.path.join(tmp, "fastmq_*"))),
            "held": {str(k): sorted(v) for k, v in segments_made_by(set(pids)).items()},
-           "shmem": shmem_bytes()}
+           "shmem": shmem_bytes(), "tmpdir": sorted(os.listdir(tmp))}
     st = os.statvfs("/dev/shm")
     out["dev_shm_used"] = (st.f_blocks - st.f_bfree) * st.f_frsize
     print("LEFT " + json.dumps(out), flush=True)

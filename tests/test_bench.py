@@ -616,7 +616,7 @@ def test_wake_floor_validates_and_measures():
 
     with pytest.raises(ValueError):
         _floor.wake_segment_size(0)
-    seg = segments.create_segment("bench", _floor.wake_segment_size(1), "test")
+    seg = segments.create_segment("bench", _floor.wake_segment_size(1))
     try:
         out = np.zeros((2, 1), dtype=np.int64)
         with pytest.raises(ValueError, match="one column per reader"):
@@ -633,8 +633,6 @@ def test_wake_floor_validates_and_measures():
         with pytest.raises(TimeoutError, match="reader 0 saw no round 2"):
             _floor.wake_reader(seg, 1, 0, 2, 1, 0.05)
     finally:
-        segments.forget_segment(seg.name)
-        seg.unlink()
         seg.close()
 
 
@@ -646,7 +644,7 @@ def test_floor_pingpong_validates_its_arguments():
         _floor.segment_size(0, 100)
     with pytest.raises(ValueError):
         _floor.segment_size(_floor.MAX_READERS + 1, 100)
-    seg = segments.create_segment("bench", _floor.segment_size(1, 64), "test")
+    seg = segments.create_segment("bench", _floor.segment_size(1, 64))
     try:
         out = np.zeros(3, dtype=np.int64)
         with pytest.raises(ValueError, match="does not fit"):
@@ -657,8 +655,6 @@ def test_floor_pingpong_validates_its_arguments():
         with pytest.raises(TimeoutError, match="reader 0 did not answer"):
             _floor.pingpong_writer(seg, 1, np.zeros(64, np.uint8), 1, out, 0.05)
     finally:
-        segments.forget_segment(seg.name)
-        seg.unlink()
         seg.close()
 
 

@@ -63,7 +63,7 @@ SUBSET = [
     "tests/test_core.py::test_corrupt_chunk_raises_and_queue_survives",
     "tests/test_core.py::test_segments_released_on_gc",
     "tests/test_readme.py::test_standalone_example_runs",
-    "tests/test_cleanup.py",
+    "tests/test_lifetime.py::test_cleanup_has_nothing_to_do_and_says_so",
     "tests/test_ls.py::test_positions_from_the_counters",
     "tests/test_ls.py::test_ls_reports_unreadable_segments",
 ]

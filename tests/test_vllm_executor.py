@@ -28,6 +28,7 @@ import types
 import pytest
 
 import fastmq.vllm as fv
+from _held import holders_of, segments_made_by
 from fastmq.vllm import _arena_default, plugin
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -145,6 +146,8 @@ def test_shutdown_leaves_no_process_and_no_file(fastmq_run):
     assert all("resource_tracker" in c for c in r["children_after_shutdown"]), r
     assert r["segments"] and r["segments_after_shutdown"] == []
     assert r["files_after_shutdown"] == []
+    # The engine has exited: no process holds any of the queues' segments.
+    assert holders_of(f[len("memfd:"):] for f in r["segments"]) == {}
     assert r["tmpdir_after_shutdown"] == []
 
 
@@ -166,6 +169,7 @@ def test_a_killed_worker_is_named_and_its_files_removed(fastmq_run):
     assert k["alive_after_shutdown"] == [], k["alive_detail"]
     assert k["victim_files_after"] == []
     assert k["files_after_shutdown"] == []
+    assert segments_made_by([k["engine_pid"], *k["pids"]]) == {}
     assert k["tmpdir_after_shutdown"] == []
 
 

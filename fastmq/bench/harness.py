@@ -171,15 +171,13 @@ def record(name: str, impl: str, n: int, size, unit: str, env, samples=None, sca
 
 @contextmanager
 def bench_segment(size: int):
-    """A floor's shared-memory segment, unlinked on exit."""
+    """A floor's shared-memory segment; readers attach with its ``locator``."""
     from fastmq import segments
 
-    seg = segments.create_segment("bench", size, "the benchmark's floor buffer")
+    seg = segments.create_segment("bench", size)
     try:
         yield seg
     finally:
-        segments.forget_segment(seg.name)
-        seg.unlink()
         seg.close()
 
 

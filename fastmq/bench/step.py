@@ -93,7 +93,7 @@ def floor(g, env, params) -> list[dict]:
         def rounds(src, count):
             nonlocal first
             out = np.zeros(count, dtype=np.int64)
-            g.command((seg.name, n, src.size, first, count, spin_ns), partial(
+            g.command((seg.locator, n, src.size, first, count, spin_ns), partial(
                 _floor.pingpong_writer, seg, n, src, first, out, params.timeout_s, spin_ns))
             first += count
             return out

@@ -11,6 +11,7 @@ from fastmq.bench.config import MiB
 from fastmq.bench.harness import (BenchError, VerifyError, attached, bench_segment, checksum,
                                   groups, record, serve, tensor_expected)
 from fastmq.bench.scenario import Line, Scenario, num, ratio, spread
+from fastmq.shm_usage import held_bytes
 
 NAME = "tensor"
 
@@ -24,9 +25,9 @@ def _notes(rs, records) -> list[str]:
             *impls_mod.remote_notes(names),
             *(["floor: one single-threaded memcpy into a pre-faulted shared segment plus "
                "every reader's read of every byte."] if "floor" in names else []),
-            f"p50/min/max over the messages after {rs[0]['warmup']} warm-up messages per "
-            "run; first ms = the very first message of a run, which also pays for touching "
-            "fresh shared-memory pages."]
+            f"p50/min/max after {rs[0]['warmup']} warm-up messages per run; first ms = a "
+            "run's first message (it also touches fresh pages); shm held = the shared "
+            "memory the ring and arena hold after all sizes (fastmq.shm_usage)."]
 
 
 SPEC = Scenario(
@@ -43,6 +44,7 @@ SPEC = Scenario(
              ("vs vLLM", lambda r: ratio(r.get("vs_vllm"))),
              ("vs floor", lambda r: ratio(r.get("vs_floor"))),
              ("first ms", lambda r: num(r.get("first_ms"))),
+             ("shm held MiB", lambda r: num(r.get("held_mib"))),
              ("messages", lambda r: str(r["samples"]))),
     floor="floor", size_header="tensor",
     # The arenas may copy with several threads; the floor's copy is one
@@ -106,7 +108,7 @@ def run(env, impls, params, progress) -> list[dict]:
                     NAME, g.impl.name, g.n, size, "ms", env, samples, 1e6,
                     warmup=params.tensor_warmup, first_ms=first / 1e6,
                     arena_active=getattr(g.mq, "tensor_arena", None) is not None))
-        return out
+        return [dict(r, held_mib=None if floor else held_bytes(g.mq)["total"] / MiB) for r in out]
 
     return groups(env, impls, params, progress, NAME, measure)
 
@@ -124,7 +126,7 @@ def floor_buffer(capacity: int):
             t0 = time.perf_counter_ns()
             src = t.reshape(-1).numpy().view(np.uint8)
             view[:src.size] = src
-            return ("floor", seg.name, t.numel(), tuple(t.shape)), time.perf_counter_ns() - t0
+            return ("floor", seg.locator, t.numel(), tuple(t.shape)), time.perf_counter_ns() - t0
 
         try:
             yield put

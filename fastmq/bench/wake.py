@@ -118,7 +118,7 @@ def futex_floor(g, idle_s, params) -> list[int]:
         for rounds, idle in ((params.wake_warmup, 0.0), (params.wake_samples, idle_s)):
             lat = np.zeros((rounds, g.n), dtype=np.int64)
             if rounds:
-                g.command(("futex", seg.name, g.n, first, rounds), partial(
+                g.command(("futex", seg.locator, g.n, first, rounds), partial(
                     _floor.wake_writer, seg, g.n, first, int(idle * 1e9), lat,
                     params.timeout_s + idle))
             first += rounds
