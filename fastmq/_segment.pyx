@@ -68,12 +68,23 @@ def shm_full_error(str what, Py_ssize_t needed, str name):
            "%.1f MiB" % (avail / mib) if avail >= 0 else "unknown"))
 
 
-def _read_int(str path):
+cdef bytes _read(str path):
+    # os.open/os.read, not open(): no Python-level io (and its decoders) on a
+    # writer's path.  These files are a few KiB at most.
     try:
-        with open(path) as f:
-            text = f.read().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return -1
+        return b""
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
+
+
+cdef long long _read_int(str path):
+    text = _read(path).strip()
     return int(text) if text.isdigit() else -1
 
 
@@ -85,31 +96,26 @@ def memory_available():
     Asked before pages are allocated on purpose: an anonymous memory file
     has no size limit of its own, so allocating past what the host has
     does not fail, it wakes the OOM killer."""
-    avail = -1
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError):
-        pass
-    try:
-        with open("/proc/self/cgroup") as f:
-            groups = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        groups = []
-    for _, controllers, path in groups:
-        if controllers == "":           # v2: the unified hierarchy
+    cdef long long avail = -1, limit, used
+    for line in _read("/proc/meminfo").split(b"\n"):
+        if line.startswith(b"MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+            break
+    for line in _read("/proc/self/cgroup").split(b"\n"):
+        parts = line.split(b":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1], parts[2].decode(errors="replace")
+        if controllers == b"":              # v2: the unified hierarchy
             base = "/sys/fs/cgroup" + path
             limit, used = _read_int(base + "/memory.max"), _read_int(base + "/memory.current")
-        elif "memory" in controllers.split(","):
+        elif b"memory" in controllers.split(b","):
             base = "/sys/fs/cgroup/memory" + path
             limit = _read_int(base + "/memory.limit_in_bytes")
             used = _read_int(base + "/memory.usage_in_bytes")
         else:
             continue
-        if limit > 0 and used >= 0 and limit < (1 << 62):
+        if 0 < limit < (1LL << 62) and used >= 0:
             room = max(0, limit - used)
             avail = room if avail < 0 else min(avail, room)
     return avail

@@ -340,6 +340,12 @@ def kill_worker(model_dir: str) -> dict:
 
     gc.collect()
     out["alive_after_shutdown"], out["alive_detail"] = still_alive(pids)
+    # A SIGKILLed process's mappings go once the kernel has torn it down,
+    # which on a loaded host may trail its exit status a little.
+    settle = time.monotonic() + 15
+    while time.monotonic() < settle and [
+            f for f in _files_of([victim]) if f not in _held_here()]:
+        time.sleep(0.1)
     out["victim_files_after"] = [f for f in _files_of([victim]) if f not in _held_here()]
     out["files_after_shutdown"] = [f for f in _files_of([os.getpid()] + pids)
                                    if f not in _held_here()]

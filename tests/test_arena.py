@@ -546,10 +546,10 @@ def test_a_bad_descriptor_does_not_keep_the_other_slots_of_its_message():
 def test_attach_failure_is_deferred():
     w = MessageQueue(1, 1, arena_slots=2, arena_slot_mb=1, arena_min_mb=1)
     h = replace(w.export_handle(),
-                tensor_arena_handle=(1, MiB, 2, "fastmq_0_arena_doesnotexist"))
+                tensor_arena_handle=(1, MiB, 2, "fastmq_999999999_arena_doesnotexist:3:1"))
     r = MessageQueue.create_from_handle(h, 0)            # does not raise
     assert r.stats()["arena_attached"] == 0
-    assert "FileNotFoundError" in A.attach_error("fastmq_0_arena_doesnotexist")
+    assert "FileNotFoundError" in A.attach_error("fastmq_999999999_arena_doesnotexist:3:1")
     w.enqueue({"small": 1})
     assert r.dequeue(timeout=10) == {"small": 1}
     w.enqueue(torch.ones(MiB // 4))                      # 1 MiB: into a slot

@@ -242,10 +242,10 @@ def test_remote_reader_after_handshake_gets_a_clear_error():
 def test_fork_child_dropping_inherited_queue_keeps_parent_sockets():
     """A child forked after the writer was created used to unlink the
     parent's live ipc socket files when it dropped its copy; a reader
-    attaching later then hung."""
+    attaching later then hung.  (The sockets have no files now; the child's
+    drop must still leave the parent's queue whole.)"""
     w = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2)
     h = w.export_handle()
-    path = h.local_subscribe_addr[len("ipc://"):]
     pid = os.fork()
     if pid == 0:  # child: drop the inherited queue and leave at once
         try:
@@ -255,7 +255,6 @@ def test_fork_child_dropping_inherited_queue_keeps_parent_sockets():
             os._exit(0)
     OUR_PIDS.add(pid)
     os.waitpid(pid, 0)
-    assert os.path.exists(path), "the forked child removed the parent's socket file"
     r = _attach_and_handshake(w, h)
     w.enqueue("after fork")
     assert r.dequeue(timeout=10) == "after fork"
