@@ -87,7 +87,7 @@ def front(a) -> int:
         import torch
 
         big = torch.ones(ARENA_PROBE_BYTES // 4, dtype=torch.float32)
-        result["arena_probe"] = llm.collective_rpc(g.arena_probe, args=(big,))
+        result["arena_probe"] = llm.collective_rpc(g.arena_probe, args=(g.Boxed(big),))
         del llm
         gc.collect()
         result["left_after_del"] = fastmq_files()

@@ -86,11 +86,21 @@ def generate(llm, prompts, max_tokens: int, seed: int = 1234) -> list[list[int]]
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def arena_probe(worker, t) -> dict:
+class Boxed:
+    """A tensor in an object vLLM's front-to-engine encoding does not know,
+    so that it travels pickled (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``) and
+    arrives a tensor; bare, it would arrive a list."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def arena_probe(worker, boxed: Boxed) -> dict:
     """Run in each worker by ``collective_rpc``: whether the tensor it was
     sent lies in a fastmq tensor arena this worker maps, and its sum."""
     from fastmq import arena
 
+    t = boxed.t
     ptr = t.data_ptr()
     return {"in_arena": any(a.contains(ptr) for a in list(arena._ARENAS.values())),
             "nbytes": t.numel() * t.element_size(), "sum": float(t.sum())}
