@@ -4,9 +4,10 @@ are allocated, not their reserved size.
 A segment is sparse: the tensor arena reserves ``n_slots x slot_bytes``
 and the ring all its chunks, but memory is allocated only for the pages a
 message (or a pre-fault) touched, and it stays allocated until the segment
-goes.  ``held_bytes(queue)`` counts those pages through this process's own
-mapping (``mincore``), so it is the same figure wherever the segment lives
-(a ``/dev/shm`` file or an anonymous one) and for any process that maps it.
+goes.  ``held_bytes(queue)`` counts, for fastmq's segments in the process
+that made them, the file's allocated blocks (pages reserved ahead
+included); for others (vLLM's, or a reader's mapping), the pages this
+process's mapping sees allocated (``mincore``).
 
 It takes fastmq's ``MessageQueue`` and vLLM's alike (both keep their ring
 as ``queue.buffer`` and their arena as ``queue.tensor_arena``), so that a
@@ -81,6 +82,13 @@ def held_bytes(queue: Any) -> dict[str, int]:
     if arena is not None:
         arena = getattr(arena, "core", arena)
     for key, obj in (("ring", ring), ("arena", arena)):
+        seg = getattr(obj, "segment", None)
+        if getattr(seg, "owner", False) and not seg.closed:
+            # The creator's own count (the file's allocated blocks): pages
+            # reserved ahead with posix_fallocate are held, but mincore
+            # does not see them until they are first written.
+            out[key] = seg.held_bytes()
+            continue
         where = _mapping(obj) if obj is not None else None
         if where is not None:
             out[key] = resident_bytes(*where)
