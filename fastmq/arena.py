@@ -209,9 +209,9 @@ def attach_error(name: str) -> str | None:
 
 # -- ends ------------------------------------------------------------------------
 def _close_writer(core: ArenaWriterEnd) -> None:
-    # The descriptor goes now (no new attach); the mapping when the last
-    # reference to the core does (the encoder, a writer-side view); the
-    # memory when the readers' mappings go too.
+    # The mapping and descriptor go with the last reference to the core
+    # (the encoder, a writer-side view); the memory once the readers'
+    # mappings have gone too.
     core.close()
 
 
@@ -372,8 +372,8 @@ class ArenaWriter(ShmTensorArena):
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(size)
 
     def close(self) -> None:
-        """Let go of the segment (no new reader can attach) and stop background work now (also
-        done when this object is collected)."""
+        """Stop background work and refuse new buffers now (also done when
+        this object is collected); the memory goes with the last mapping."""
         self._finalizer()
 
 

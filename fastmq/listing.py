@@ -33,7 +33,8 @@ import time
 from fastmq import _arena, _proc, _ring, _snapshot
 from fastmq.segments import SEGMENT_PREFIX
 
-_SEGMENT = re.compile(rf"^/memfd:({SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+)(?: \(deleted\))?$")
+_SEGMENT = re.compile(
+    rf"^/memfd:({SEGMENT_PREFIX}(\d+)_([A-Za-z0-9]+)_[0-9a-f]+)(?: \(deleted\))?$")
 _MARK = f"/memfd:{SEGMENT_PREFIX}"
 WAIT_MODES = {_ring.WAIT_SPIN: "spin", _ring.WAIT_FUTEX: "futex", _ring.WAIT_ZMQ: "zmq"}
 

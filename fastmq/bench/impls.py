@@ -121,8 +121,8 @@ def availability(impl: Impl) -> tuple[bool, str]:
 
 
 def shutdown(queues: list, vllm_handles=()) -> None:
-    """Shut ``queues`` down and drop them: collecting them releases (and, as creator,
-    unlinks) their segments."""
+    """Shut ``queues`` down and drop them: collecting them releases their segments
+    (vLLM's creator also unlinks its files)."""
     while queues:
         with suppress(Exception):
             queues.pop().shutdown()
