@@ -1,7 +1,7 @@
-"""Read-only views of live segments, for ``fastmq ls`` and ``fastmq cleanup``.
+"""Read-only views of live segments, for ``fastmq ls``.
 
 These functions read a ring or an arena through any buffer (a read-only
-mapping, or the first bytes of the file) and never write to it: looking at
+mapping) and never write to it: looking at
 a live queue must not disturb it.  The layouts they read are the ones the
 ends write (``_ring_layout.pxd``, ``_arena_layout.pxd``).  Every geometry
 word is range-checked before it is used as a count or a size.
@@ -22,37 +22,12 @@ from fastmq._ring import (LAYOUT_VERSION as RING_VERSION, MAGIC as RING_MAGIC,
 
 cdef uint64_t CLAIM_LEFT = 1ULL << CLAIM_LEFT_BIT
 
-# Bytes from the start of a ring that hold its magic, version and creator.
-CREATOR_BYTES = H_WRITER_PIDNS + 8
-
-
 cdef inline uint32_t _ro_u32(const char *b, Py_ssize_t off) noexcept nogil:
     return fmq_load_u32_acq(<const uint32_t *>(b + off))
 
 
 cdef inline uint64_t _ro_u64(const char *b, Py_ssize_t off) noexcept nogil:
     return fmq_load_u64_acq(<const uint64_t *>(b + off))
-
-
-def ring_creator(buf, bint with_pidns=False):
-    """``(pid, start time)`` of the process that created the ring whose
-    first ``CREATOR_BYTES`` (or more) bytes are ``buf`` (``with_pidns``:
-    ``(pid, start time, pid namespace inode)``); None when they are not
-    the header of a ring of this layout version."""
-    cdef Py_buffer v
-    PyObject_GetBuffer(buf, &v, PyBUF_SIMPLE)
-    cdef const char *b = <const char *>v.buf
-    try:
-        if v.len < CREATOR_BYTES:
-            return None
-        if _ro_u64(b, H_MAGIC) != RING_MAGIC or _ro_u32(b, H_VERSION) != RING_VERSION:
-            return None
-        if with_pidns:
-            return (_ro_u32(b, H_WRITER_PID), _ro_u64(b, H_WRITER_START),
-                    _ro_u64(b, H_WRITER_PIDNS))
-        return _ro_u32(b, H_WRITER_PID), _ro_u64(b, H_WRITER_START)
-    finally:
-        PyBuffer_Release(&v)
 
 
 def ring_snapshot(buf):

@@ -2,22 +2,13 @@
 test_hostile.py): memory that cannot be had is an exception, or the arena
 sends the buffer the socket way; never a SIGBUS, never the OOM killer."""
 import sys
-import threading
 
 from fastmq import MessageQueue
 from fastmq._segment import ShmFullError, memory_available
 
+from _queues import local_pair
+
 MiB = 1 << 20
-
-
-def _pair(**kw):
-    w = MessageQueue(1, 1, **kw)
-    r = MessageQueue.create_from_handle(w.export_handle(), 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
-    return w, r
 
 
 def ring_larger_than_the_limit() -> None:
@@ -30,7 +21,7 @@ def ring_larger_than_the_limit() -> None:
         assert "cannot give now" in str(e) and "512.0 MiB" in str(e), e
     else:
         raise AssertionError("a ring larger than the memory limit was created")
-    w, r = _pair(max_chunk_bytes=4 * MiB, max_chunks=4)     # one that fits works
+    w, (r,) = local_pair(1, max_chunk_bytes=4 * MiB, max_chunks=4)   # one that fits works
     w.enqueue(b"x" * (3 * MiB))
     assert r.dequeue(timeout=10) == b"x" * (3 * MiB)
     print("ring OK")
@@ -39,8 +30,9 @@ def ring_larger_than_the_limit() -> None:
 def arena_short_of_memory() -> None:
     import numpy as np
 
-    w, r = _pair(max_chunk_bytes=1 * MiB, max_chunks=2, enable_shm_tensor_arena=True,
-                 arena_slots=2, arena_slot_mb=64, arena_min_mb=1, arena_prefault="off")
+    w, (r,) = local_pair(1, max_chunk_bytes=1 * MiB, max_chunks=2,
+                         enable_shm_tensor_arena=True, arena_slots=2, arena_slot_mb=64,
+                         arena_min_mb=1, arena_prefault="off")
     a = np.arange(1 * MiB, dtype=np.float64)            # 8 MiB: an arena buffer
     # Someone else takes the memory: what is left is less than the buffer
     # and the arena's headroom.

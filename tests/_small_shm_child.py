@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import os
-import threading
 
 from fastmq import MessageQueue
 
+from _queues import local_pair
+
 MiB = 1 << 20
-
-
-def _pair(**kw):
-    w = MessageQueue(1, 1, **kw)
-    r = MessageQueue.create_from_handle(w.export_handle(), 0)
-    t = threading.Thread(target=r.wait_until_ready)
-    t.start()
-    w.wait_until_ready()
-    t.join()
-    return w, r
 
 
 def main() -> None:
@@ -34,7 +25,7 @@ def main() -> None:
     # vLLM's scheduler broadcast ring (16 MiB x 10) with the tensor arena at
     # its default sizing (8 x 256 MiB), and a worker's answer ring (24 MiB x
     # 10): over 2 GiB in a full 64 MiB /dev/shm.
-    w, r = _pair(max_chunk_bytes=16 * MiB, max_chunks=10)
+    w, (r,) = local_pair(1, max_chunk_bytes=16 * MiB, max_chunks=10)
     other = MessageQueue(1, 1, max_chunk_bytes=24 * MiB, max_chunks=10)
     assert w.tensor_arena is not None
     assert (w.tensor_arena.n_slots, w.tensor_arena.slot_bytes) == (8, 256 * MiB)
