@@ -31,6 +31,16 @@ logger = logging.getLogger("fastmq")
 PAYLOAD_GRACE_S = 2.0
 
 
+class WriterGoneError(RuntimeError):
+    """A remote reader's writer is gone: it shut the queue down (``clean``)
+    or its connection was cut.  No message will come; a remote reader
+    cannot rejoin a running queue."""
+
+    def __init__(self, message: str, clean: bool):
+        super().__init__(message)
+        self.clean = clean
+
+
 class _ReaderEnd:
     """The ZMQ side of a local reader: the handshake and the receive of an
     overflow payload on its ipc socket."""
@@ -358,6 +368,10 @@ class RemoteReader:
         self.shutting_down = True
         self.stream.cancel()
 
+    def wait_shutdown(self, seconds: float) -> bool:
+        """Whether ``shutdown()`` is called within ``seconds``."""
+        return self.stream.cancelled.wait(seconds)
+
     def _writer(self) -> str:
         pid = getattr(self.handle, "writer_pid", None)
         return f"the writer{f' (pid {pid})' if pid else ''} at {self.handle.remote_subscribe_addr}"
@@ -367,15 +381,16 @@ class RemoteReader:
         try:
             main, *oob = stream.recv(_overflow.deadline(timeout))
         except _stream.StreamEnded as e:
-            raise RuntimeError(f"fastmq: {self._writer()} shut the queue down after message "
-                               f"{e.last_seq}; every message it sent was received") from None
+            raise WriterGoneError(f"fastmq: {self._writer()} shut the queue down after message "
+                                  f"{e.last_seq}; every message it sent was received",
+                                  clean=True) from None
         except _wire.PeerGone:
-            raise RuntimeError(
+            raise WriterGoneError(
                 f"fastmq: the connection to {self._writer()} was cut before the writer "
                 "closed the queue (no end of the stream came): the writer died or exited "
                 "without closing it, its node became unreachable, or the connection was "
                 f"cut on the way; message {stream.last_seq} was the last received, and a "
-                "remote reader cannot rejoin a running queue") from None
+                "remote reader cannot rejoin a running queue", clean=False) from None
         return decode(main, oob, None)
 
     def stats(self) -> dict:

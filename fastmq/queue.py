@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from fastmq import _config, _overflow
 from fastmq._config import LONG_WAIT_TIME_LOG_MSG
-from fastmq._reader import LocalReader, RemoteReader
+from fastmq._reader import LocalReader, RemoteReader, WriterGoneError
 from fastmq._ring import CorruptChunkError, SegmentMismatchError
 from fastmq._writer import QueueWriter
 from fastmq.handle import BufferHandle, Handle, HandleMismatchError, check_rank
@@ -81,6 +81,29 @@ def remove_arena_defaults_hook(hook) -> None:
     """Stop calling ``hook`` (see ``add_arena_defaults_hook``)."""
     if hook in _arena_defaults_hooks:
         _arena_defaults_hooks.remove(hook)
+
+
+# Told when a remote reader's writer is gone; see add_writer_gone_hook.
+_writer_gone_hooks: list = []
+
+
+def add_writer_gone_hook(hook) -> None:
+    """Call ``hook(error)`` when a remote reader's writer is gone (it shut
+    the queue down, or its connection was cut), once per queue, before
+    ``dequeue`` raises ``error``; until ``remove_writer_gone_hook``.  A hook
+    that returns a number of seconds makes that ``dequeue`` first wait so
+    long (at most its own timeout) for ``shutdown()``, which then raises
+    ``RuntimeError("cancelled")`` as any shutdown does.  ``fastmq.vllm``
+    registers one: a vLLM node whose engine is elsewhere ends through
+    vLLM's own shutdown."""
+    if hook not in _writer_gone_hooks:
+        _writer_gone_hooks.append(hook)
+
+
+def remove_writer_gone_hook(hook) -> None:
+    """Stop calling ``hook`` (see ``add_writer_gone_hook``)."""
+    if hook in _writer_gone_hooks:
+        _writer_gone_hooks.remove(hook)
 
 
 def _arena_options(enable: Any, n_local_reader: Any, options: dict) -> dict:
@@ -186,6 +209,7 @@ class MessageQueue:
         # ring position and sockets are the parent's, so any use would lose
         # or duplicate messages.
         self._forked_from = None
+        self._told_writer_gone = False
         self._finalizer = weakref.finalize(self, _overflow.close_all, *end.zmq)
         self._finalizer.atexit = False
         _live_queues.add(self)
@@ -248,7 +272,22 @@ class MessageQueue:
         end = self._end
         if end.is_writer:
             raise RuntimeError("Only readers can dequeue")
-        return end.dequeue(timeout, indefinite)
+        try:
+            return end.dequeue(timeout, indefinite)
+        except WriterGoneError as e:
+            self._writer_gone(e, timeout)
+
+    def _writer_gone(self, error: WriterGoneError, timeout: float | None):
+        grace = 0.0
+        if not self._told_writer_gone:
+            self._told_writer_gone = True
+            for hook in list(_writer_gone_hooks):
+                grace = max(grace, hook(error) or 0.0)
+        if timeout is not None:
+            grace = min(grace, max(timeout, 0.0))
+        if grace > 0 and self._end.wait_shutdown(grace):
+            raise RuntimeError("cancelled") from None
+        raise error
 
     def broadcast_object(self, obj: Any = None) -> Any:
         if self._end.is_writer:

@@ -93,6 +93,7 @@ def two_nodes(tmp_path, fastmq_vllm: str) -> dict:
                     "g.tiny_llama(sys.argv[1])", str(model)], env=env, check=True,
                    capture_output=True)
     nodes = {}
+    test_stopped_node1 = False
     try:
         for rank in (1, 0):
             nodes[rank] = _Node(tmp_path, rank, py, env)
@@ -109,7 +110,8 @@ def two_nodes(tmp_path, fastmq_vllm: str) -> dict:
                 and time.monotonic() < deadline:
             time.sleep(0.2)
         node1 = nodes[1].line("PIDS") if nodes[1].line("RESULT") is None else None
-        if node1 is not None:
+        test_stopped_node1 = node1 is not None
+        if test_stopped_node1:
             try:
                 os.kill(node1["front"], signal.SIGTERM)
             except ProcessLookupError:
@@ -121,7 +123,8 @@ def two_nodes(tmp_path, fastmq_vllm: str) -> dict:
     finally:
         for node in nodes.values():
             node.kill()
-    out = {"output": nodes[0].output() + nodes[1].output()}
+    out = {"output": nodes[0].output() + nodes[1].output(),
+           "test_stopped_node1": test_stopped_node1}
     (tmp_path / "output.log").write_text(out["output"])   # for a failure's post-mortem
     for rank, node in nodes.items():
         assert node.proc.returncode == 0, out["output"][-12000:]
@@ -161,17 +164,21 @@ def test_fastmq_is_active_in_the_engine_and_the_worker_of_each_node(fastmq_run, 
 
 
 def test_the_headless_node_ends_when_the_engine_does(fastmq_run, vllm_run):
-    """vLLM's worker on node 1 waits forever once the engine is gone (its
-    node must be stopped); on fastmq it names the writer that left, exits,
-    and its node ends without being told."""
+    """vLLM's worker on node 1 waits forever once the engine is gone (the
+    test stops its node); on fastmq the worker names the writer that left
+    and stops its node's vLLM process as an operator would (SIGTERM), and
+    vLLM's own shutdown ends the node: the test has nothing to do."""
     engine = fastmq_run["result0"]["pids"]["engine"]
-    assert not fastmq_run["result1"]["stopped"], fastmq_run["output"][-8000:]
+    out = fastmq_run["output"]
+    assert not fastmq_run["test_stopped_node1"], out[-8000:]
+    assert fastmq_run["result1"]["stopped"], out[-8000:]     # by its SIGTERM handler
     # "... shut the queue down after message N" when the engine closed its
     # queues (their end of the stream came), "the connection to the writer
     # ... was cut" when vLLM killed it first.
-    assert f"the writer (pid {engine}) at tcp://127.0.0.1:" in \
-        fastmq_run["output"], fastmq_run["output"][-8000:]
-    assert vllm_run["result1"]["stopped"], vllm_run["output"][-8000:]
+    assert f"the writer (pid {engine}) at tcp://127.0.0.1:" in out, out[-8000:]
+    assert "Stopping this node's vLLM process" in out, out[-8000:]
+    assert "WorkerProc failed" not in out, out[-8000:]
+    assert vllm_run["test_stopped_node1"], vllm_run["output"][-8000:]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

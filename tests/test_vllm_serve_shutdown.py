@@ -390,12 +390,6 @@ def test_shared_memory_is_back(fastmq_run):
                                  fastmq_run["left1"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: when the engine is SIGKILLed, node 1's worker raises fastmq's 'connection to "
-    "the writer was cut' and ends, which vLLM logs as 'WorkerProc failed.' and its "
-    "monitor as 'died unexpectedly' (ERROR); with vLLM's own queue the worker waits "
-    "forever instead. Ending the headless node through vLLM's own shutdown path is "
-    "not built yet."))
 def test_no_error_that_vllms_own_queue_does_not_log(fastmq_run, vllm_run):
     extra = run_markers(fastmq_run) - run_markers(vllm_run)
     assert not extra, (sorted(extra), fastmq_run["output0"][-6000:],

@@ -23,7 +23,7 @@ import sys
 import threading
 import types
 
-from fastmq.vllm import _arena_default, _guard, _hook
+from fastmq.vllm import _arena_default, _guard, _hook, _node_end
 
 logger = logging.getLogger("fastmq")
 
@@ -274,9 +274,11 @@ def _set_queue_hook(on: bool) -> None:
     if on:
         queue.add_creation_hook(_on_queue_created)
         queue.add_arena_defaults_hook(_arena_default.queue_arena_defaults)
+        queue.add_writer_gone_hook(_node_end.on_writer_gone)
     else:
         queue.remove_creation_hook(_on_queue_created)
         queue.remove_arena_defaults_hook(_arena_default.queue_arena_defaults)
+        queue.remove_writer_gone_hook(_node_end.on_writer_gone)
 
 
 def _on_queue_created() -> None:
