@@ -5,7 +5,13 @@ which becomes the caller's tensor.  Fresh memory costs the kernel a page
 fault and a page of zeros for every 4 KiB before the socket writes it
 again: for a 256 MiB tensor that is as much work as the receive itself.
 Memory that a dropped tensor gave back is already mapped, so the next
-frame of about its size goes straight in.
+frame of about its size goes straight in.  Fresh memory is populated in
+one call (``MADV_POPULATE_WRITE``) before the frame is received, which
+costs less than a fault per page taken in the middle of the receive.
+Ordinary pages, not huge ones: with ``MADV_HUGEPAGE`` a first frame was
+usually faster, but now and then stalled for hundreds of milliseconds (a
+huge page must be found, or made by compaction, at the fault), where
+vLLM's receive never asks for one.
 
 Lifetime: a ``PooledBuffer`` is the exporter of its memory (buffer
 protocol); a tensor or array made over it holds a reference to it, so the
@@ -19,20 +25,16 @@ from cpython.buffer cimport PyBuffer_FillInfo
 from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, madvise,
                          mmap, munmap)
 
-cdef extern from "<sys/mman.h>":
-    int MADV_HUGEPAGE
-
 cdef enum:
     MAX_FREE = 8
     PAGE = 4096
-    HUGE_PAGE = 2 << 20
+    # Linux 5.14; an older kernel refuses it (EINVAL) and the pages are
+    # faulted in as the socket writes them, as before.
+    MADV_POPULATE_WRITE = 23
 
 
 cdef size_t _pages(size_t n):
-    # A large block in whole huge pages: the kernel can back it with them
-    # (one fault per 2 MiB, not per 4 KiB, the first time it is written).
-    cdef size_t unit = HUGE_PAGE if n >= HUGE_PAGE else PAGE
-    return (n + unit - 1) & ~(unit - 1)
+    return (n + PAGE - 1) & ~(<size_t>PAGE - 1)
 
 
 cdef class BufferPool:
@@ -77,8 +79,9 @@ cdef class BufferPool:
             p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
             if p == MAP_FAILED:
                 raise MemoryError(f"fastmq: cannot map {length} bytes for a received frame")
-            if size >= HUGE_PAGE:
-                madvise(p, size, MADV_HUGEPAGE)   # advice only: no error to act on
+            # Advice: on failure (an old kernel, memory short now) the
+            # receive faults the pages in itself.
+            madvise(p, size, MADV_POPULATE_WRITE)
         cdef PooledBuffer b = PooledBuffer.__new__(PooledBuffer)
         b.p, b.size, b.length, b.pool = <char *>p, size, length, self
         return b

@@ -79,7 +79,8 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
         "step": {"fastmq-futex", "floor", "floor+pickle", "fastmq-remote-both+encrypt",
                  "fastmq-remote-both+plain"} | remote,
         "throughput": {"fastmq-futex"},
-        "tensor": {"fastmq-futex+arena", "fastmq-futex", "floor"} | remote,
+        "tensor": {"fastmq-futex+arena", "fastmq-futex", "floor", "fastmq-futex+bytes",
+                   "fastmq-remote+bytes"} | remote,
         "wake": {"fastmq-futex", "floor-futex", "floor-pipe"},
     }
     if HAVE_VLLM:
@@ -87,7 +88,8 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
         for s in ("step", "throughput", "wake"):
             expected[s] |= {"vllm"}
         expected["step"] |= {"vllm-remote", "vllm-remote-both"}
-        expected["tensor"] |= {"vllm", "vllm+arena", "vllm-remote", "vllm-remote-both"}
+        expected["tensor"] |= {"vllm", "vllm+arena", "vllm-remote", "vllm-remote-both",
+                               "vllm+bytes", "vllm-remote+bytes"}
     else:  # said so, not silently dropped
         assert any("vllm" in n and "not measured" in n for n in data["notes"])
     for s, names in expected.items():
@@ -354,7 +356,9 @@ def test_list_names_every_implementation(capsys):
                           "fastmq-remote", "fastmq-remote+encrypt", "fastmq-remote+plain",
                           "fastmq-remote-both", "fastmq-remote-both+encrypt",
                           "fastmq-remote-both+plain", "vllm", "vllm+arena", "vllm-remote",
-                          "vllm-remote-both", "floor", "floor-futex", "floor-pipe"}
+                          "vllm-remote-both", "floor", "floor-futex", "floor-pipe",
+                          "fastmq-futex+bytes", "vllm+bytes", "fastmq-remote+bytes",
+                          "vllm-remote+bytes"}
     assert lines["fastmq-futex"].endswith("; step, wake; yes")
     assert lines["floor-pipe"].endswith("; wake; yes")
     assert lines["vllm"].endswith("; not selected; not checked")
@@ -473,10 +477,24 @@ def test_ratios_compare_like_with_like_in_one_convention():
     assert ["step round trip against its floor (pickling + a C round trip), 1 KiB, N=1",
             "8.00 us (fastmq-futex)", "4.00 us (floor+pickle)", "0.500x"] in report.summary_rows(recs)
     tensor = scenario.get("tensor")
-    headers, rows = report.grid(recs, tensor, tensor.grids[0][3], "vLLM / fastmq")
+    headers, rows, slower = report.grid(recs, tensor, tensor.grids[0][3], "vLLM / fastmq")
     assert ["arena", "64 MiB", "120 / 30.0 = 4.00x"] in rows
     assert ["arena off", "64 MiB", "150 / 300 = 0.500x"] in rows
     assert ["remote both ways", "64 MiB", "90.0 / 60.0 = 1.50x"] in rows
+    assert ["floor (one memcpy, every reader's read)", "64 MiB", "25.0"] in rows
+    # Under the table, in one sentence: the cells where fastmq is slower.
+    assert slower == ["arena off 64 MiB at N=4 (0.500x)"]
+    assert report.slower_text(slower) == ("Where fastmq is slower than vLLM in this table: "
+                                          "arena off 64 MiB at N=4 (0.500x).")
+    assert report.slower_text([]).startswith("fastmq is at or ahead of vLLM in every cell")
+    # The first-use table compares the runs' first messages.
+    by[("tensor", "vllm+arena")]["first_ms"], by[("tensor", "fastmq-futex+arena")]["first_ms"] \
+        = 200.0, 400.0
+    first = tensor.grids[1]
+    assert first[4] == "first_ms"
+    _, rows, slower = report.grid(recs, tensor, first[3], first[2], first[4])
+    assert rows == [["arena", "64 MiB", "200 / 400 = 0.500x"]]
+    assert slower == ["arena 64 MiB at N=4 (0.500x)"]
     # The summary: each remote row against vLLM's of its shape, and what the
     # default security costs against +plain (100 us / 150 us).
     rows = {r[0]: r[1:] for r in report.summary_rows(recs)}
@@ -841,4 +859,5 @@ def test_every_generated_table_adds_up(tmp_path):
         assert arithmetic_errors(text) == [], name
     # The checker itself catches a ratio that is not the quotient.
     assert arithmetic_errors("| a | b |\n| --- | --- |\n| x | 7.17 / 7.75 = 0.98x |\n")
-    assert len(_QUOTIENT.findall(texts["RESULTS.md of repeated runs"])) == 2
+    # The steady-state matrix and the first-use one.
+    assert len(_QUOTIENT.findall(texts["RESULTS.md of repeated runs"])) == 4

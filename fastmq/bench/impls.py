@@ -18,6 +18,7 @@ class Impl:
     arena: bool = False
     remote: str = ""            # "" | "readers" | "both"
     remote_kwargs: dict = field(default_factory=dict)  # fastmq's security
+    payload: str = "tensor"     # tensor: a torch tensor; bytes: the same bytes in-band
 
     @property
     def spin_s(self) -> float:
@@ -80,6 +81,11 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
         *[Impl(f"fastmq{suffix}{tag}", "fastmq", f"fastmq, {what}; {security}",
                remote=shape, remote_kwargs=kwargs) for tag, kwargs, security in _SECURITY],
         Impl(f"vllm{suffix}", "vllm", f"vLLM 0.33.0 MessageQueue, {what}", remote=shape)]],
+    *[Impl(name, name.split("-")[0], f"{name.split('+')[0]}, the tensor's bytes as one bytes "
+           "object (pickled in-band)", remote="readers" if "remote" in name else "",
+           payload="bytes")
+      for name in ("fastmq-futex+bytes", "vllm+bytes", "fastmq-remote+bytes",
+                   "vllm-remote+bytes")],
     Impl("floor", "floor", "floor: bare shared memory, no queue (see the notes)"),
     Impl("floor-futex", "floor", "floor: a C reader parked in FUTEX_WAIT, woken by a C "
          "writer that slept as long"),
@@ -89,7 +95,7 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
 
 # Each remote row's vLLM reference: remote of the same shape, whatever the security.
 REMOTE_ROWS = {i.name: (None if i.family == "vllm" else "vllm" + _SHAPES[i.remote][0])
-               for i in IMPLS.values() if i.remote}
+               for i in IMPLS.values() if i.remote and i.payload == "tensor"}
 
 
 def remote_notes(names) -> list[str]:

@@ -5,7 +5,7 @@ import os
 
 from fastmq.bench import scenario
 from fastmq.bench.figures import key
-from fastmq.bench.scenario import RATIO_RULE, fig, quotient, ratio, value
+from fastmq.bench.scenario import RATIO_RULE, fig, num, quotient, ratio, value
 
 _RULE = RATIO_RULE[0].upper() + RATIO_RULE[1:] + "."
 
@@ -94,25 +94,36 @@ def summary_rows(records: list[dict], readme: bool = False) -> list[list[str]]:
     return rows
 
 
-def grid(records: list[dict], spec, pairs, column: str) -> tuple[list[str], list[list[str]]]:
-    """A row per (path, size), a column per N: reference / impl = ratio."""
+def grid(records: list[dict], spec, pairs, column: str, field_: str = "p50"):
+    """A row per (path, size), a column per N: reference / impl = ratio of
+    ``field_`` (a row with no reference: the impl's figure).  Also the
+    cells where fastmq is slower than vLLM, as text."""
     rs = [r for r in records if r["scenario"] == spec.name]
     ns = sorted({r["n_readers"] for r in rs})
     idx = {key(r): r for r in rs}
-    headers = ["path", spec.size_header or "size"] + [
-        f"N={n_cell(next(r for r in rs if r['n_readers'] == n))}: {column}" for n in ns]
-    rows = []
+    n_text = {n: n_cell(next(r for r in rs if r["n_readers"] == n)) for n in ns}
+    headers = ["path", spec.size_header or "size"] + [f"N={n_text[n]}: {column}" for n in ns]
+    rows, slower = [], []
     for label, mine, ref in pairs:
         for size in sorted({r["size_bytes"] for r in rs}):
             cells = []
             for n in ns:
                 f, v = idx.get((spec.name, mine, n, size)), idx.get((spec.name, ref, n, size))
-                cells.append(f"{fig(v, 'p50', '', spec, False).strip()} / "
-                             f"{fig(f, 'p50', '', spec, False).strip()} = "
-                             f"{ratio(quotient(f, v, 'p50', spec))}" if f and v else "-")
+                a, b = (value(r, field_, spec) if r else None for r in (f, v))
+                q = quotient(f, v, field_, spec)
+                cells.append(f"{num(b)} / {num(a)} = {ratio(q)}" if q is not None else
+                             num(a) if ref is None else "-")
+                if q is not None and q < 1 and ref.startswith("vllm"):
+                    slower.append(f"{label} {spec.size_text(size)} at N={n_text[n]} "
+                                  f"({ratio(q)})")
             if any(c != "-" for c in cells):
                 rows.append([label, spec.size_text(size)] + cells)
-    return headers, rows
+    return headers, rows, slower
+
+
+def slower_text(slower: list[str]) -> str:
+    return ("Where fastmq is slower than vLLM in this table: " + "; ".join(slower) + "."
+            if slower else "fastmq is at or ahead of vLLM in every cell of this table.")
 
 
 def summary(result: dict, md: bool) -> str:
@@ -128,11 +139,13 @@ def summary(result: dict, md: bool) -> str:
     rate = (result.get("link") or {}).get("rate")
     link = f"loopback shaped to {rate}, a link slower than memory" if rate else "loopback"
     for spec in scenario.every():
-        for title, note, column, pairs in spec.grids:
-            headers, rows = grid(recs, spec, pairs, column)
+        for title, note, column, pairs, *field_ in spec.grids:
+            headers, rows, slower = grid(recs, spec, pairs, column, *field_)
             if rows:
+                vs_vllm = any(ref and ref.startswith("vllm") for _, _, ref in pairs)
                 parts.append(_head(f"{title} ({how(recs)})", note.format(link=link), md)
-                             + render(headers, rows, "ll" + "r" * (len(headers) - 2), md))
+                             + render(headers, rows, "ll" + "r" * (len(headers) - 2), md)
+                             + ("\n\n" + slower_text(slower) if vs_vllm else ""))
     return "\n\n".join(parts)
 
 

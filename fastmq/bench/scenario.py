@@ -34,7 +34,7 @@ class Scenario:
     rate: bool = False            # figures are rates (higher is better)
     summary: tuple = ()           # Line, ...
     summary_size: int | None = None   # the size the summary quotes (nearest); None: every size
-    grids: tuple = ()             # (title, note, column, ((label, impl, ref), ...)): report.grid
+    grids: tuple = ()             # (title, note, column, ((label, impl, ref), ...)[, field]): report.grid
     extra_ratios: dict = field(default_factory=dict)  # name -> field compared with vLLM's
     needs_torch: bool = False
     notes: Callable = lambda rs, records: []

@@ -21,7 +21,8 @@ def _notes(rs, records) -> list[str]:
     return ["paths: +arena = the tensor arena (one copy into shared memory, readers map "
             "it); fastmq-futex / vllm without it: the ring for a message that fits a ring "
             "chunk (24 MiB by default), the overflow path above (the chunk marks the "
-            "message, the payload goes over the ipc socket).",
+            "message, the payload goes over the ipc socket); +bytes: the same bytes as one "
+            "bytes object, pickled in-band (no out-of-band buffer, no arena).",
             *impls_mod.remote_notes(names),
             *(["floor: one single-threaded memcpy into a pre-faulted shared segment plus "
                "every reader's read of every byte."] if "floor" in names else []),
@@ -30,6 +31,14 @@ def _notes(rs, records) -> list[str]:
             "memory the ring and arena hold after all sizes (fastmq.shm_usage)."]
 
 
+_PATHS = (("arena", "fastmq-futex+arena", "vllm+arena"), ("arena off", "fastmq-futex", "vllm"),
+          ("remote (TCP)", "fastmq-remote", "vllm-remote"),
+          ("remote (TCP), +encrypt", "fastmq-remote+encrypt", "vllm-remote"),
+          ("remote (TCP), +plain", "fastmq-remote+plain", "vllm-remote"),
+          ("remote both ways", "fastmq-remote-both", "vllm-remote-both"),
+          ("in-band bytes", "fastmq-futex+bytes", "vllm+bytes"),
+          ("in-band bytes, remote (TCP)", "fastmq-remote+bytes", "vllm-remote+bytes"))
+
 SPEC = Scenario(
     NAME, "tensor: CPU tensor broadcast, every reader reads every byte; milliseconds per "
     "message (enqueue to the last reader's answer)",
@@ -37,7 +46,8 @@ SPEC = Scenario(
     # enough to show it.
     rows={"fastmq-futex+arena": "vllm+arena", "vllm+arena": None, "fastmq-futex": "vllm",
           "vllm": None, **{k: v for k, v in impls_mod.REMOTE_ROWS.items() if "-both+" not in k},
-          "floor": "vllm"},
+          "fastmq-futex+bytes": "vllm+bytes", "vllm+bytes": None,
+          "fastmq-remote+bytes": "vllm-remote+bytes", "vllm-remote+bytes": None, "floor": "vllm"},
     columns=(("{p50} ms", lambda r: num(r["p50"])), ("runs' p50", spread),
              ("min ms", lambda r: num(r["min"])), ("max ms", lambda r: num(r["max"])),
              ("GB/s", lambda r: num(r["size_bytes"] / r["p50"] / 1e6 if r["p50"] else None)),
@@ -59,12 +69,11 @@ SPEC = Scenario(
             "{link} (remote both ways: the answers too), with fastmq's default security (a "
             "keyed MAC on every message), +encrypt (AES-GCM) or +plain (unauthenticated); "
             "vLLM's remote path is plain TCP.", "vLLM / fastmq ms = ratio",
-            (("arena", "fastmq-futex+arena", "vllm+arena"),
-             ("arena off", "fastmq-futex", "vllm"),
-             ("remote (TCP)", "fastmq-remote", "vllm-remote"),
-             ("remote (TCP), +encrypt", "fastmq-remote+encrypt", "vllm-remote"),
-             ("remote (TCP), +plain", "fastmq-remote+plain", "vllm-remote"),
-             ("remote both ways", "fastmq-remote-both", "vllm-remote-both"))),
+            _PATHS + (("floor (one memcpy, every reader's read)", "floor", None),)),
+           ("large tensors on first use: a run's first message of each size (it also "
+            "touches fresh pages), ms, vLLM / fastmq on the same path", "The same paths as "
+            "above; sizes in rising order on one queue, so each size's first message is "
+            "larger than any before it.", "vLLM / fastmq ms = ratio", _PATHS, "first_ms"),
            ("what the remote path's security costs on large tensors: p50 ms, +plain "
             "(unauthenticated TCP) / secured, same shape", "TCP over {link}; default "
             "security: a keyed MAC (GMAC) on every message, computed by the writer and "
@@ -89,7 +98,8 @@ def run(env, impls, params, progress) -> list[dict]:
                     seq += 1
                     t[0], t[-1] = seq, n_elem - 1 + seq
                     total = tensor_expected(n_elem, seq)
-                    msg, copy_ns = put(t) if floor else (t, 0)
+                    msg, copy_ns = put(t) if floor else (
+                        t.numpy().tobytes() if g.impl.payload == "bytes" else t, 0)
                     dt, acks = g.round_trip(("tensor", seq, msg), free=2)
                     dt += copy_ns  # the floor's one copy is part of its time
                     for r, a in enumerate(acks):
@@ -139,6 +149,8 @@ def _answer(seq, t, _):
 
     if type(t) is tuple:  # the floor: zero copy, the segment itself
         t = torch.frombuffer(attached(t[1]), dtype=torch.int64, count=t[2]).view(t[3])
+    elif isinstance(t, bytes):  # the in-band rows
+        t = torch.frombuffer(t, dtype=torch.int64)
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
         raise VerifyError(f"message {seq}: expected an int64 tensor, received "
                           f"{getattr(t, 'dtype', type(t).__name__)}")
