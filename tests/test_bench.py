@@ -587,6 +587,16 @@ def test_the_slower_sentence_comes_from_the_figures():
     figures.annotate(recs[:2])
     assert readme.slower([{"records": recs[:2]}]) == (
         "fastmq is faster than vLLM in every one of the 1 figures compared.")
+    # The tensor rows' first messages get a sentence of their own.
+    mib = 64 * config.MiB
+    tensors = [dict(_rec("tensor", impl, p50, mib, 2), first_ms=first) for impl, p50, first in
+               (("vllm+arena", 8.0, 30.0), ("fastmq-futex+arena", 4.0, 60.0),
+                ("vllm", 50.0, 50.0), ("fastmq-futex", 40.0, 40.0))]
+    figures.annotate(tensors)
+    assert readme.slower([{"records": tensors}]) == (
+        "fastmq is faster than vLLM in every one of the 2 figures compared. On first use (a "
+        "run's first message of each size) it is slower in 1 of 2 tensor figures (lowest "
+        "0.500x, fastmq-futex+arena, 64 MiB, N=2).")
 
 
 def test_a_json_file_of_another_format_is_refused(tmp_path):

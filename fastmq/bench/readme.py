@@ -5,7 +5,8 @@ import os
 
 from fastmq.bench import scenario
 from fastmq.bench.report import render, summary_rows
-from fastmq.bench.scenario import ratio
+from fastmq.bench.figures import key
+from fastmq.bench.scenario import quotient, ratio
 
 BEGIN = "<!-- fastmq-bench --readme: generated from bench/results.json; do not edit -->"
 END = "<!-- end of fastmq-bench --readme -->"
@@ -46,9 +47,30 @@ def slower(results: list[dict]) -> str:
         parts.append(f"{spec.name}, {len(below)} of {len(rs)} figures ("
                      f"{', '.join(sorted({r['impl'] for r in below}))}{span}; lowest "
                      f"{ratio(low['vs_vllm'])}, {low['impl']}, N={low['n_readers']})")
-    if not parts:
-        return f"fastmq is faster than vLLM in every one of the {total} figures compared."
-    return "fastmq is slower than vLLM (below 1x) in " + "; in ".join(parts) + "."
+    text = ("fastmq is slower than vLLM (below 1x) in " + "; in ".join(parts) + "."
+            if parts else f"fastmq is faster than vLLM in every one of the {total} figures "
+            "compared.")
+    return " ".join(t for t in (text, _first_use(results)) if t)
+
+
+def _first_use(results: list[dict]) -> str:
+    """One sentence on the tensor rows' first messages (the first-use matrix)."""
+    spec, out = scenario.get("tensor"), []
+    for res in results:
+        idx = {key(r): r for r in res["records"] if r["scenario"] == "tensor"}
+        for k, r in idx.items():
+            ref = idx.get((k[0], spec.rows.get(k[1]), *k[2:]))
+            q = quotient(r, ref, "first_ms", spec) if ref and r.get("first_ms") else None
+            if q is not None and k[1].startswith("fastmq"):
+                out.append((q, r))
+    below = sorted(((q, r) for q, r in out if q < 1), key=lambda x: x[0])
+    if not below:
+        return (f"On first use (a run's first message of each size) it is at or ahead in "
+                f"all {len(out)} tensor figures." if out else "")
+    q, r = below[0]
+    return (f"On first use (a run's first message of each size) it is slower in "
+            f"{len(below)} of {len(out)} tensor figures (lowest {ratio(q)}, {r['impl']}, "
+            f"{spec.size_text(r['size_bytes'])}, N={r['n_readers']}).")
 
 
 def block(result: dict, json_path: str = "bench/results.json", more: tuple = ()) -> str:
