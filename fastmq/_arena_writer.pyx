@@ -537,6 +537,15 @@ cdef class ArenaWriterEnd(ArenaEnd):
         cdef uint64_t start, upto
         cdef char *p
         cdef size_t n
+        # Only on a core nobody else wants (SCHED_IDLE, this thread only):
+        # pages populated ahead help the next buffer, but never at the cost
+        # of the copy or of the readers reading this one (measured on 2
+        # vCPUs: a slot's first use about 8% faster).  A busy host leaves
+        # the pages to the copies, which fault them in themselves.
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
         while True:
             with self.prefault_lock:
                 if not self.prefault_jobs or fmq_local_load_int(&self.cancel_prefault):

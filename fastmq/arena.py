@@ -24,7 +24,8 @@ keyword                 environment                    default      meaning
 ======================  =============================  ===========  ========================
 
 ``ahead``: after a copy into cold pages, the slot the next buffer would take
-gets as many pages populated in the background (never whole slots); ``all``
+gets as many pages populated in the background, by a thread that runs only
+on an otherwise idle core (``SCHED_IDLE``; never whole slots); ``all``
 or ``N``: whole slots at creation.  Inside vLLM on a CUDA platform the
 scheduler broadcast's readers default to ``shared`` (``fastmq.vllm``).
 
