@@ -595,8 +595,8 @@ def test_the_slower_sentence_comes_from_the_figures():
     figures.annotate(tensors)
     assert readme.slower([{"records": tensors}]) == (
         "fastmq is faster than vLLM in every one of the 2 figures compared. On first use (a "
-        "run's first message of each size) it is slower in 1 of 2 tensor figures (lowest "
-        "0.500x, fastmq-futex+arena, 64 MiB, N=2).")
+        "run's first message of each size) it is slower in tensor, 1 of 2 figures "
+        "(fastmq-futex+arena, 64 MiB; lowest 0.500x, fastmq-futex+arena, N=2).")
 
 
 def test_a_json_file_of_another_format_is_refused(tmp_path):

@@ -26,6 +26,7 @@ def annotate(records: list[dict]) -> None:
 
         v = other(spec.rows.get(r["impl"], "vllm"))  # None: vLLM compared with nothing
         r["vs_vllm"] = quotient(r, v, "p50", spec)
+        r["first_vs_vllm"] = quotient(r, v, "first_ms", spec)  # None where not measured
         r["vs_floor"] = quotient(r, other(spec.floor), "p50", spec)
         for name, field in spec.extra_ratios.items():
             r[name] = quotient(r, v, field, spec)

@@ -5,8 +5,7 @@ import os
 
 from fastmq.bench import scenario
 from fastmq.bench.report import render, summary_rows
-from fastmq.bench.figures import key
-from fastmq.bench.scenario import quotient, ratio
+from fastmq.bench.scenario import ratio
 
 BEGIN = "<!-- fastmq-bench --readme: generated from bench/results.json; do not edit -->"
 END = "<!-- end of fastmq-bench --readme -->"
@@ -30,47 +29,40 @@ def _report_md(path: str) -> str:
     return os.path.join(os.path.dirname(path), f"RESULTS{name}.md")
 
 
-def slower(results: list[dict]) -> str:
-    """One sentence: where a fastmq row is below 1x against vLLM."""
+def _below(results: list[dict], field: str) -> tuple[list[str], int]:
+    """Per scenario, the fastmq figures whose ``field`` ratio is below 1x."""
     parts, total = [], 0
     for spec in scenario.every():
         rs = [r for res in results for r in res["records"] if r["scenario"] == spec.name
-              and r["impl"].startswith("fastmq") and r.get("vs_vllm") is not None]
-        below = [r for r in rs if r["vs_vllm"] < 1]
+              and r["impl"].startswith("fastmq") and r.get(field) is not None]
+        below = [r for r in rs if r[field] < 1]
         total += len(rs)
         if not below:
             continue
-        low = min(below, key=lambda r: r["vs_vllm"])
+        low = min(below, key=lambda r: r[field])
         sizes = sorted({r["size_bytes"] for r in below if r["size_bytes"]})
         span = (f", {spec.size_text(sizes[0])}" + (f" to {spec.size_text(sizes[-1])}"
                                                    if len(sizes) > 1 else "")) if sizes else ""
         parts.append(f"{spec.name}, {len(below)} of {len(rs)} figures ("
                      f"{', '.join(sorted({r['impl'] for r in below}))}{span}; lowest "
-                     f"{ratio(low['vs_vllm'])}, {low['impl']}, N={low['n_readers']})")
+                     f"{ratio(low[field])}, {low['impl']}, N={low['n_readers']})")
+    return parts, total
+
+
+def slower(results: list[dict]) -> str:
+    """Where a fastmq row is below 1x against vLLM: a sentence for the
+    steady-state figures, one for the first messages (tensor)."""
+    parts, total = _below(results, "vs_vllm")
     text = ("fastmq is slower than vLLM (below 1x) in " + "; in ".join(parts) + "."
             if parts else f"fastmq is faster than vLLM in every one of the {total} figures "
             "compared.")
-    return " ".join(t for t in (text, _first_use(results)) if t)
-
-
-def _first_use(results: list[dict]) -> str:
-    """One sentence on the tensor rows' first messages (the first-use matrix)."""
-    spec, out = scenario.get("tensor"), []
-    for res in results:
-        idx = {key(r): r for r in res["records"] if r["scenario"] == "tensor"}
-        for k, r in idx.items():
-            ref = idx.get((k[0], spec.rows.get(k[1]), *k[2:]))
-            q = quotient(r, ref, "first_ms", spec) if ref and r.get("first_ms") else None
-            if q is not None and k[1].startswith("fastmq"):
-                out.append((q, r))
-    below = sorted(((q, r) for q, r in out if q < 1), key=lambda x: x[0])
-    if not below:
-        return (f"On first use (a run's first message of each size) it is at or ahead in "
-                f"all {len(out)} tensor figures." if out else "")
-    q, r = below[0]
-    return (f"On first use (a run's first message of each size) it is slower in "
-            f"{len(below)} of {len(out)} tensor figures (lowest {ratio(q)}, {r['impl']}, "
-            f"{spec.size_text(r['size_bytes'])}, N={r['n_readers']}).")
+    first, n_first = _below(results, "first_vs_vllm")
+    if first:
+        text += (" On first use (a run's first message of each size) it is slower in "
+                 + "; in ".join(first) + ".")
+    elif n_first:
+        text += f" On first use it is at or ahead in all {n_first} figures."
+    return text
 
 
 def block(result: dict, json_path: str = "bench/results.json", more: tuple = ()) -> str:
