@@ -84,8 +84,9 @@ def spin_us(value: float | None) -> float:
     return value
 
 
-# Memory a remote reader keeps to receive the next large frames into,
-# once the caller dropped the earlier ones (fastmq._recv_buffers).  Enough for a
+# Memory a reader keeps to receive the next large frames into (a remote
+# reader's, or a message in parts), once the caller dropped the earlier
+# ones (fastmq._recv_buffers).  Enough for a
 # step's large tensors; what a burst needed beyond it goes back.
 DEFAULT_REMOTE_BUFFERS_MB = 512
 

@@ -159,6 +159,11 @@ def deadline(timeout: float | None) -> float | None:
     return time.monotonic() + max(timeout, 0.0)
 
 
+def remaining(until: float | None) -> float | None:
+    """The timeout left until ``until`` (a ``deadline``)."""
+    return None if until is None else max(until - time.monotonic(), 0.0)
+
+
 def flush_slice(tracker, until: float | None, where: str) -> bool:
     """Wait one slice for the message of ``tracker`` to leave this process:
     True once it has; raises ``TimeoutError`` once ``until`` has passed

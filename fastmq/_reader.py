@@ -16,8 +16,10 @@ from typing import Any, Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastmq import _config, _keys, _net, _overflow, _proc, _seal, _stream, _subscribers, _wire
-from fastmq._ring import (LONG_WAIT, OVERFLOW, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
+from fastmq import (_config, _keys, _net, _overflow, _parts, _proc, _seal, _stream,
+                    _subscribers, _wire)
+from fastmq._recv_buffers import BufferPool
+from fastmq._ring import (LONG_WAIT, OVERFLOW, PARTS, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
                           WRITER_DIED, CorruptChunkError)
 from fastmq._serde import decode
 from fastmq.handle import Handle, HandleMismatchError, is_fastmq_ring, vllm_ring_error
@@ -125,6 +127,8 @@ class LocalReader(_ReaderEnd):
         self._writer_died_at = None  # when a wait first saw the writer dead
         self._overflow_seen = 0      # id of the last overflow payload received
         self._overflow_ahead = None  # a payload received before its mark
+        self._parts = None           # a message arriving in parts (fastmq._parts)
+        self._part_buffers = None    # memory kept for the next one (a BufferPool)
         self._cancel_send = None
         self.buffer = None
         context = zmq.Context()
@@ -255,6 +259,12 @@ class LocalReader(_ReaderEnd):
 
     # -- messages ---------------------------------------------------------------
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
+        if self._parts is not None:
+            # The rest of a message arriving in parts comes first, whatever
+            # the next chunk holds (anything but its next part is corrupt).
+            obj = self._recv_parts(_overflow.deadline(timeout), indefinite, wait=True)
+            if obj is not PENDING:
+                return obj
         # One call into the ring: the arena's releases, the wait, the
         # copy of the out-of-band buffers and the unpickling.
         obj = self.ring.read_object(timeout, self._arena_core)
@@ -271,6 +281,14 @@ class LocalReader(_ReaderEnd):
                 # it is here or nearly, so it gets its own (full) timeout
                 # rather than a clock read on every dequeue().
                 return self._recv_overflow(_overflow.deadline(timeout))
+            if status == PARTS:
+                obj = self._recv_parts(_overflow.deadline(timeout), indefinite)
+                if obj is PENDING:
+                    # A message dropped (aborted, or refused): read on.
+                    obj = ring.read_object(timeout, self._arena_core)
+                if obj is not PENDING:
+                    return obj
+                continue
             # A wait status: act on it; then the chunk is ready and the
             # read does not wait again.
             self._keep_waiting(status, indefinite)
@@ -316,6 +334,53 @@ class LocalReader(_ReaderEnd):
         ring.release_read(ring.current_idx)
         main, *oob = payload
         return decode(main, oob, self.tensor_arena)
+
+    def _recv_parts(self, until: float | None, indefinite: bool, wait: bool = False) -> Any:
+        """The message whose part is in the current chunk: each part is
+        copied out and its chunk released before the next is awaited.  A
+        timeout keeps what arrived (``_parts``) for the next call; an abort
+        drops it and returns ``PENDING``, as does the end of a message
+        whose first part was refused."""
+        ring = self.ring
+        while True:
+            if wait:
+                status = ring.wait_next(_overflow.remaining(until))
+                if status != READY:
+                    self._keep_waiting(status, indefinite)
+            wait = True
+            idx = ring.current_idx
+            asm = None
+            try:
+                aborted, index, total, offset, length = ring.part_header(idx)
+                if aborted:
+                    self._parts = None
+                    return PENDING
+                asm = self._parts
+                if index == 0:
+                    if asm is not None:
+                        raise CorruptChunkError(
+                            f"fastmq ring chunk {idx}: a message's parts start again before "
+                            f"its part {asm.next_index}")
+                    if self._part_buffers is None:
+                        self._part_buffers = BufferPool(_config.remote_buffers_bytes())
+                    asm = self._parts = _parts.Assembly(total, self._part_buffers)
+                elif asm is None:
+                    raise CorruptChunkError(f"fastmq ring chunk {idx}: part {index} of a "
+                                            "message whose first part this reader never saw")
+                done = asm.take(ring, idx, index, total, offset, length)
+            except BaseException:
+                # A refused first part is passed over to the message's end
+                # (``skipping``); anything else ends the message here.
+                if asm is None or not asm.skipping or asm.next_index != index + 1:
+                    self._parts = None
+                raise
+            finally:
+                ring.release_read(idx)
+            if done:
+                self._parts = None
+                if asm.skipping:
+                    return PENDING
+                return decode(memoryview(asm.frames[0]), asm.frames[1:], self.tensor_arena)
 
     def stats(self) -> dict:
         # A reader sends no ZMQ notifies: none can fail.

@@ -13,6 +13,7 @@ cdef enum:
     ST_READER_DIED = 4
     ST_OVERFLOW = 5
     ST_PICKLER_STALE = 6
+    ST_PARTS = 7
 
 # Wait modes (fastmq._ring's WAIT_SPIN, WAIT_FUTEX, WAIT_ZMQ).
 cdef enum:
@@ -26,6 +27,12 @@ cdef enum:
     MARK_BYTES = 16
     RESERVE_STEP = 65536     # pages are reserved in steps of this many bytes
     NOGIL_COPY_MIN = 65536   # copies this large release the GIL
+    # A message too big for a chunk goes, with node-local readers only, as
+    # parts through consecutive chunks (fastmq/_ring.pyx): kind byte, part
+    # index, the part stream's length, this part's offset and length.
+    CHUNK_PART = 2
+    CHUNK_PART_ABORT = 3
+    PART_HEAD = 32
 
 
 cdef class RingEnd:
@@ -102,6 +109,8 @@ cdef class RingEnd:
     cdef int between_slices(self, int idx) except -1
     # The role's: whether a peer it waits on is gone (a wait status).
     cdef int check_peers(self, int idx) except -1
+    # The role's: say in shared memory that this end is in a wait (readers).
+    cdef void mark_waiting(self, bint on) noexcept
     cdef bint peer_check_due(self) noexcept
     cdef inline int _check_open(self) except -1
     cdef inline int _check_idx(self, int idx) except -1

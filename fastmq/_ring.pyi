@@ -14,6 +14,8 @@ WRITER_DIED: int
 READER_DIED: int
 OVERFLOW: int
 PICKLER_STALE: int
+PARTS: int
+PART_HEAD_BYTES: int
 
 class _Pending: ...
 PENDING: _Pending

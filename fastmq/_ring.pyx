@@ -32,6 +32,18 @@ ZMQ socket and the chunk only orders it::
 The id names the socket message that carries the payload, so that a reader
 can never pair a mark with another message's payload.
 
+With node-local readers only, a message too big for a chunk goes through
+the ring itself instead, cut into parts, one per chunk::
+
+    [u8 2][3 pad][u32 part index][u64 stream length][u64 offset]
+    [u64 part length][part bytes ...]
+
+The parts carry one stream, ``[u64 nbuf][u64 len x nbuf][buf0][buf1]...``
+(unaligned): each reader copies it out chunk by chunk, releasing each chunk
+at once, so a message of any size needs no more ring than one part and the
+payload never leaves shared memory.  ``[u8 3]`` (an abort) ends a message
+whose sending stopped between parts; readers drop what they had of it.
+
 Flag protocol (single writer, n readers; same states as vLLM's ring)::
 
     writer:  wait until written == 0 or every read flag == 1
@@ -110,6 +122,8 @@ READER_DIED = ST_READER_DIED
 # a pickler that must be rebuilt first.
 OVERFLOW = ST_OVERFLOW
 PICKLER_STALE = ST_PICKLER_STALE
+PARTS = ST_PARTS
+PART_HEAD_BYTES = PART_HEAD  # a part chunk's header (fastmq._parts)
 
 
 class _Pending:
@@ -215,6 +229,9 @@ cdef class RingEnd:
     cdef int check_peers(self, int idx) except -1:
         return ST_READY
 
+    cdef void mark_waiting(self, bint on) noexcept:
+        pass
+
     # -- waiting ---------------------------------------------------------
     cdef int park_futex(self, int idx, int64_t timeout_ns) noexcept nogil:
         cdef uint32_t seq
@@ -310,11 +327,14 @@ cdef class RingEnd:
         # A wait in progress ends (w_active = False) with anything but
         # LONG_WAIT: ready, a gone peer, a timeout or a cancel.
         cdef int status
+        self.mark_waiting(True)
         try:
             status = self.spin_then_park()
         except BaseException:
             self.w_active = False
             raise
+        finally:
+            self.mark_waiting(False)
         if status != ST_LONG_WAIT:
             self.w_active = False
         return status

@@ -26,10 +26,12 @@ cdef enum:
     H_WRITE_SEQ = 256      # u32 futex word that the writer parks on
     H_WRITER_PARKED = 320  # u32 1 while the writer is parked
     H_READER_SLOTS = 512   # 64 B per reader: u64 claim word (+0), u64 start
-                           # time (+8), u64 messages this reader has read (+16)
+                           # time (+8), u64 messages this reader has read (+16),
+                           # u64 1 while the reader waits for a chunk (+24)
     READER_SLOT = 64
     SLOT_START = 8
     SLOT_READ = 16
+    SLOT_WAITING = 24
 
 # A reader slot's claim word, swapped whole (one 64-bit CAS) so that no
 # process ever sees a holder's pid with another process's start time:

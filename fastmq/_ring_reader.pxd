@@ -19,3 +19,4 @@ cdef class RingReader(RingEnd):
     cdef int release_chunk(self, int idx) except -1
     cdef list take_oob(self, int idx, char *c, uint64_t *start0, uint64_t *len0)
     cdef int release_claim(self) noexcept
+    cdef void mark_waiting(self, bint on) noexcept

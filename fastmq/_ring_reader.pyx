@@ -19,7 +19,8 @@ has arrived on the socket: a reader that times out in between finds the
 same mark again on its next call.
 """
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
-from cpython.buffer cimport PyBUF_READ
+from cpython.buffer cimport (PyBUF_READ, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release,
+                            PyObject_GetBuffer)
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.string cimport memcpy
@@ -31,7 +32,8 @@ from fastmq._native.atomic cimport (
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, header_status,
                                     word32 as _u32, word64 as _u64)
 from fastmq._native.proc cimport fmq_self_pid
-from fastmq._ring cimport (FRAME_HEAD, NOGIL_COPY_MIN, ST_OVERFLOW, ST_READY,
+from fastmq._ring cimport (CHUNK_PART, CHUNK_PART_ABORT, FRAME_HEAD, NOGIL_COPY_MIN,
+                           PART_HEAD, ST_OVERFLOW, ST_PARTS, ST_READY,
                            ST_WRITER_CLOSED, ST_WRITER_DIED, W_ZMQ, RingEnd, claim_alive,
                            decode, spin_tick)
 from fastmq._ring_layout cimport *
@@ -252,6 +254,9 @@ cdef class RingReader(RingEnd):
             self.overflow_id = (<uint64_t *>(c + 8))[0]
             self.pending = ST_OVERFLOW
             return _PENDING
+        if (<uint8_t *>c)[0] == CHUNK_PART or (<uint8_t *>c)[0] == CHUNK_PART_ABORT:
+            self.pending = ST_PARTS
+            return _PENDING
         cdef uint64_t start0, len0
         cdef object stream = None
         try:
@@ -266,6 +271,60 @@ cdef class RingReader(RingEnd):
                     stream.release()
             finally:
                 self.release_chunk(idx)
+
+    def part_header(self, int idx):
+        """``(aborted, index, stream length, offset, length)`` of the part
+        in chunk ``idx`` (this end's current one, ready), validated against
+        the chunk; ``aborted``: the writer stopped the stream (the other
+        fields are 0)."""
+        self._check_open()
+        if idx != self.current_idx:
+            raise RuntimeError("fastmq ring: chunk %d is not the one being read (%d)"
+                               % (idx, self.current_idx))
+        cdef char *c = self.chunk(idx)
+        cdef uint8_t kind = (<uint8_t *>c)[0]
+        if kind == CHUNK_PART_ABORT:
+            return True, 0, 0, 0, 0
+        if kind != CHUNK_PART:
+            raise CorruptChunkError("fastmq ring chunk %d: expected the next part of a "
+                                    "message, found chunk kind %d" % (idx, kind))
+        cdef uint32_t index = (<uint32_t *>(c + 4))[0]
+        cdef uint64_t total = (<uint64_t *>(c + 8))[0]
+        cdef uint64_t offset = (<uint64_t *>(c + 16))[0]
+        cdef uint64_t ln = (<uint64_t *>(c + 24))[0]
+        if ln > <uint64_t>(self.max_chunk_bytes - PART_HEAD) or offset > total \
+                or ln > total - offset:
+            raise CorruptChunkError("fastmq ring chunk %d: part %d of %d bytes at offset %d "
+                                    "does not fit the chunk or its %d-byte stream"
+                                    % (idx, index, ln, offset, total))
+        return False, index, total, offset, ln
+
+    def copy_part(self, int idx, uint64_t src, object dst, uint64_t dst_off, uint64_t n):
+        """Copy ``n`` bytes from offset ``src`` of the part in chunk ``idx``
+        into the writable buffer ``dst`` at ``dst_off``.  Both ends are
+        checked here, the part's length re-read at the point of use."""
+        self._check_open()
+        if idx != self.current_idx:
+            raise RuntimeError("fastmq ring: chunk %d is not the one being read (%d)"
+                               % (idx, self.current_idx))
+        cdef char *c = self.chunk(idx)
+        cdef uint64_t ln = (<uint64_t *>(c + 24))[0]
+        if (<uint8_t *>c)[0] != CHUNK_PART or ln > <uint64_t>(self.max_chunk_bytes - PART_HEAD) \
+                or src > ln or n > ln - src:
+            raise CorruptChunkError("fastmq ring chunk %d: a part changed while being read"
+                                    % idx)
+        cdef Py_buffer view
+        PyObject_GetBuffer(dst, &view, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        try:
+            if dst_off > <uint64_t>view.len or n > <uint64_t>view.len - dst_off:
+                raise ValueError("fastmq ring: a part copy runs past its destination")
+            if n >= NOGIL_COPY_MIN:
+                with nogil:
+                    memcpy(<char *>view.buf + dst_off, c + PART_HEAD + src, n)
+            else:
+                memcpy(<char *>view.buf + dst_off, c + PART_HEAD + src, n)
+        finally:
+            PyBuffer_Release(&view)
 
     @property
     def overflow_latest(self):
@@ -310,10 +369,18 @@ cdef class RingReader(RingEnd):
                 break
         fmq_store_u64_rel(<uint64_t *>(slot + SLOT_START), start)
         fmq_store_u64_rel(<uint64_t *>(slot + SLOT_READ), 0)
+        fmq_store_u64_rel(<uint64_t *>(slot + SLOT_WAITING), 0)
         fmq_fence_seq()
         self.claim = mine
         self.claimed = True
         return 0
+
+    cdef void mark_waiting(self, bint on) noexcept:
+        # Read by the writer, as a hint only (RingWriter.readers_waiting):
+        # a reader in a wait takes the next chunks as they come.
+        if self.claimed and self.base != NULL:
+            fmq_store_u64_rel(_u64(self.base, H_READER_SLOTS + READER_SLOT * self.reader_rank
+                                   + SLOT_WAITING), on)
 
     cdef int release_claim(self) noexcept:
         # A clean close marks the slot LEFT and keeps the pid: a writer

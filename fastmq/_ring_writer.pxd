@@ -23,6 +23,7 @@ cdef class RingWriter(RingEnd):
     cdef bint find_dead_reader(self, int idx) except -1
     cdef int publish(self, int idx) except -1
     cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1
+    cdef char *take_next(self, Py_ssize_t nbytes) except NULL
     cdef Py_ssize_t frame_and_publish(self, Py_ssize_t n, const char **ptrs,
                                       Py_ssize_t *lens, object timeout,
                                       bint committed) except -1000

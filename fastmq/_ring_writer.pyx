@@ -28,7 +28,8 @@ from fastmq._native.atomic cimport (
     fmq_add_u32_seq, fmq_fence_seq, fmq_futex_wake_all, fmq_load_u8_acq, fmq_load_u32_seq,
     fmq_load_u64_acq, fmq_store_u8_rel, fmq_store_u32_rel, fmq_store_u64_rel)
 from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
-from fastmq._ring cimport (FRAME_HEAD, MARK_BYTES, NOGIL_COPY_MIN, RESERVE_STEP,
+from fastmq._ring cimport (CHUNK_PART, CHUNK_PART_ABORT, FRAME_HEAD, MARK_BYTES,
+                           NOGIL_COPY_MIN, PART_HEAD, RESERVE_STEP,
                            ST_PICKLER_STALE, ST_READER_DIED, ST_READY, W_ZMQ, RingEnd,
                            claim_alive, spin_tick)
 from fastmq._ring_layout cimport *
@@ -121,6 +122,30 @@ cdef class RingWriter(RingEnd):
 
     cdef bint turn(self, int idx) noexcept nogil:
         return self.writable(idx)
+
+    def readers_waiting(self):
+        """Whether every reader is in a wait for a chunk now: each takes
+        the next chunks as they are published.  A hint (a reader may leave
+        its wait at once, on a timeout), never a promise."""
+        self._check_open()
+        cdef int r
+        for r in range(self.n_reader):
+            if fmq_load_u64_acq(_u64(self.base, H_READER_SLOTS + READER_SLOT * r
+                                     + SLOT_WAITING)) != 1:
+                return False
+        return True
+
+    def free_chunks(self):
+        """How many chunks, from this end's next one on, are free to write
+        now.  Each stays free until this end writes it: readers only ever
+        release a chunk."""
+        self._check_open()
+        cdef int i, n = 0
+        for i in range(self.max_chunks):
+            if not self.writable((self.current_idx + i) % self.max_chunks):
+                break
+            n += 1
+        return n
 
     cdef int spin_until(self, int idx, int64_t until_ns) noexcept nogil:
         """1: ready, 0: ``until_ns`` passed, -1: cancelled."""
@@ -402,15 +427,21 @@ cdef class RingWriter(RingEnd):
             sink.committed()
         return sent
 
-    def send_overflow_mark(self, uint64_t msg_id):
-        """Publish, in the next chunk (``wait_next()`` returned ``READY``
-        for it), a mark that says: message ``msg_id`` is on the socket."""
+    cdef char *take_next(self, Py_ssize_t nbytes) except NULL:
+        # The next chunk, this end's turn (wait_next() returned READY for
+        # it), its first nbytes reserved and its written flag cleared.
         self._check_open()
         cdef int idx = self.current_idx
         self._check_turn(idx)
-        self.reserve_chunk(idx, MARK_BYTES)
+        self.reserve_chunk(idx, nbytes)
         fmq_store_u8_rel(self.meta(idx), 0)
-        cdef char *c = self.chunk(idx)
+        return self.chunk(idx)
+
+    def send_overflow_mark(self, uint64_t msg_id):
+        """Publish, in the next chunk (``wait_next()`` returned ``READY``
+        for it), a mark that says: message ``msg_id`` is on the socket."""
+        cdef char *c = self.take_next(MARK_BYTES)
+        cdef int idx = self.current_idx
         c[0] = 1
         (<uint32_t *>(c + 4))[0] = 0
         (<uint64_t *>(c + 8))[0] = msg_id
@@ -419,6 +450,53 @@ cdef class RingWriter(RingEnd):
         # published) from a payload still in flight.
         _u64(self.base, H_OVERFLOW_ID)[0] = msg_id
         self.publish(idx)
+
+    def send_part(self, list pieces, uint32_t index, uint64_t total, uint64_t offset):
+        """Publish, in the next chunk (``wait_next()`` returned ``READY``
+        for it), part ``index`` of a message's part stream of ``total``
+        bytes: the bytes at ``offset``, gathered from ``pieces`` -- (buffer,
+        start, length) triples, copied in order.  Returns the part's length."""
+        self._check_open()
+        cdef Py_ssize_t n = 0, start, ln, at
+        cdef Py_buffer view
+        for obj, start, ln in pieces:
+            if start < 0 or ln < 0:
+                raise ValueError("fastmq ring: a part piece has a negative start or length")
+            n += ln
+        if n > self.max_chunk_bytes - PART_HEAD or offset + <uint64_t>n > total:
+            raise ValueError("fastmq ring: a %d-byte part at offset %d of a %d-byte stream "
+                             "does not fit a %d-byte chunk" % (n, offset, total,
+                                                               self.max_chunk_bytes))
+        cdef char *c = self.take_next(PART_HEAD + n)
+        at = PART_HEAD
+        for obj, start, ln in pieces:
+            PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE)
+            try:
+                if start + ln > view.len:
+                    raise ValueError("fastmq ring: a part piece runs past its buffer")
+                if ln >= NOGIL_COPY_MIN:
+                    with nogil:
+                        memcpy(c + at, <char *>view.buf + start, ln)
+                else:
+                    memcpy(c + at, <char *>view.buf + start, ln)
+            finally:
+                PyBuffer_Release(&view)
+            at += ln
+        c[0] = CHUNK_PART
+        (<uint32_t *>(c + 4))[0] = index
+        (<uint64_t *>(c + 8))[0] = total
+        (<uint64_t *>(c + 16))[0] = offset
+        (<uint64_t *>(c + 24))[0] = <uint64_t>n
+        self.publish(self.current_idx)
+        return n
+
+    def send_part_abort(self):
+        """Publish, in the next chunk, the end of a part stream that stops
+        short: readers drop the parts they have of it."""
+        cdef char *c = self.take_next(MARK_BYTES)
+        c[0] = CHUNK_PART_ABORT
+        (<uint32_t *>(c + 4))[0] = 0
+        self.publish(self.current_idx)
 
     def mark_closed(self):
         """Tell the readers that this writer closed the queue."""

@@ -17,8 +17,10 @@ from typing import Any, Iterator
 
 import zmq
 
-from fastmq import _config, _fanout, _keys, _net, _overflow, _seal, _subscribers, _wire
-from fastmq._ring import LONG_WAIT, PICKLER_STALE, READER_DIED, READY, WAIT_ZMQ
+from fastmq import (_config, _fanout, _keys, _net, _overflow, _parts, _seal, _subscribers,
+                    _wire)
+from fastmq._ring import (LONG_WAIT, PART_HEAD_BYTES, PICKLER_STALE, READER_DIED, READY,
+                          WAIT_ZMQ)
 from fastmq._serde import Encoder
 from fastmq.handle import BufferHandle, Handle
 from fastmq.ring import ShmRingBuffer
@@ -30,8 +32,8 @@ PEER_CHECK_S = 0.2
 
 
 class _Stats:
-    __slots__ = ("ring_messages", "ring_bytes", "overflow_messages", "overflow_bytes",
-                 "remote_messages", "remote_bytes")
+    __slots__ = ("ring_messages", "ring_bytes", "parts_messages", "parts_bytes",
+                 "overflow_messages", "overflow_bytes", "remote_messages", "remote_bytes")
 
     def __init__(self):
         for k in self.__slots__:
@@ -78,6 +80,12 @@ class QueueWriter:
         self._send_lock = threading.RLock()
         self._close_pending = False
         self._overflow_id = 0       # last local overflow send attempt
+        # A message's parts went out, but not its last one (an exception
+        # between parts): the next message is preceded by an abort.
+        self._parts_open = False
+        # FASTMQ_PARTS=0: every message larger than a chunk takes the
+        # overflow socket, as in vLLM.
+        self._parts_on = _config.env_bool("FASTMQ_PARTS", True)
         self._notify_failure_logged = False
         self._zmq_wakeup = False     # the ring notifies parked readers on a ZMQ socket
         self.buffer = self.ring = self.tensor_arena = None
@@ -322,6 +330,8 @@ class QueueWriter:
     # -- raw chunk access ---------------------------------------------------------
     @contextmanager
     def acquire_write(self, timeout: float | None) -> Iterator[memoryview]:
+        if self._parts_open:
+            self._abort_parts(timeout)
         self._wait_turn(timeout)
         ring = self.ring
         idx = ring.begin_write()
@@ -343,6 +353,8 @@ class QueueWriter:
                 # raising, has published nothing and freed them); it counts
                 # what it sent (see stats()).
                 encoder = self.encoder
+                if self._parts_open:
+                    self._abort_parts(timeout)
                 framed = self.ring.send_object(obj, encoder.pickler, encoder.sink, timeout)
                 if framed <= 0:
                     self._send_local_slow(obj, framed, timeout)
@@ -410,14 +422,26 @@ class QueueWriter:
                 framed = ring.send_pickled(encoder.sink, timeout)
             if framed == 0:
                 # Too big for a chunk (send waited for nothing): one
-                # deadline covers the wait for a chunk and the flush.
+                # deadline covers the wait for each chunk and the flush.
                 until = _overflow.deadline(timeout)
                 self._wait_turn(timeout)
-                self._send_overflow(encoder.sink.frames(), until)
+                frames = encoder.sink.frames()
+                parts = _parts.cut(frames, _parts.part_payload(
+                    ring.max_chunk_bytes, PART_HEAD_BYTES)) if self._parts_on else None
+                # Parts when the writer cannot be held up by a reader busy
+                # elsewhere: they fit the free chunks, or every reader is
+                # waiting for them (and takes each as it comes).
+                if parts is not None and (len(parts) <= ring.free_chunks()
+                                          or ring.readers_waiting()):
+                    self._send_parts(frames, parts, until)
+                else:
+                    self._send_overflow(frames, until)
                 if self._commit_arena is not None:
                     self._commit_arena()
         except BaseException:
-            self._settle_arena(published)
+            # A message whose last part is not out was never delivered:
+            # its arena slots are free again, as if nothing was published.
+            self._settle_arena(ring.n_published if self._parts_open else published)
             raise
         finally:
             # The message's out-of-band buffers are the caller's memory.
@@ -459,6 +483,30 @@ class QueueWriter:
         stats = self.stats_
         stats.overflow_messages += 1
         stats.overflow_bytes += _nbytes(buffers)
+
+    def _send_parts(self, frames: list, parts: list, until: float | None) -> None:
+        """A message too big for a chunk, node-local readers only, in parts
+        (``fastmq._parts``) through consecutive chunks; the first chunk's
+        turn has come.  Delivered once the last part is out; an exception
+        before that (a timeout, ``shutdown()``, a dead reader, a signal,
+        memory running out) leaves ``_parts_open`` set, and the next
+        message first tells the readers to drop what they have of it."""
+        ring = self.ring
+        total = _parts.stream_length(frames)
+        for index, (pieces, offset) in enumerate(parts):
+            if index:
+                self._wait_turn(_overflow.remaining(until))
+            self._parts_open = True
+            ring.send_part(pieces, index, total, offset)
+        self._parts_open = False
+        stats = self.stats_
+        stats.parts_messages += 1
+        stats.parts_bytes += total
+
+    def _abort_parts(self, timeout: float | None) -> None:
+        self._wait_turn(timeout)
+        self.ring.send_part_abort()
+        self._parts_open = False
 
     def _send_with_remote(self, buffers: list, seq: int, timeout: float | None,
                           until: float | None):

@@ -99,6 +99,7 @@ def mark_without_payload_then_die(conn) -> None:
     child the writer forked would.  Sends the holder's pid, then exits."""
     from fastmq import MessageQueue, _overflow
 
+    os.environ["FASTMQ_PARTS"] = "0"    # the socket path, not parts
     mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4,
                       enable_shm_tensor_arena=False)
     conn.send(mq.export_handle())

@@ -78,7 +78,8 @@ def soak_message(seq: int):
         return {"seq": seq, "kind": "tensor",
                 "t": torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int32)}
     if kind == 3:
-        # Bigger than a chunk: the overflow socket.
+        # Bigger than a chunk: in parts through the ring when they fit the
+        # free chunks, else the overflow socket.
         n = SOAK_CHUNK // 4 + rng.randrange(1, 4 * SOAK_CHUNK)
         return {"seq": seq, "kind": "over",
                 "a": np.random.default_rng(seq).integers(0, 255, n, dtype=np.uint8)}

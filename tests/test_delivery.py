@@ -73,11 +73,12 @@ def test_dequeue_timeout_consumes_nothing(mode):
         t.join(60)
 
 
-def test_failed_overflow_send_delivers_nothing():
+def test_failed_overflow_send_delivers_nothing(monkeypatch):
     """An error on the payload socket after the ring's overflow mark used to
     leave the mark published: the reader then paired it with the next
     message's payload.  Now nothing is published, and a retry delivers the
     message once."""
+    monkeypatch.setenv("FASTMQ_PARTS", "0")   # the socket path, not parts
     w, (r,) = local_pair(1, max_chunk_bytes=CHUNK, max_chunks=8,
                          enable_shm_tensor_arena=False)
     sock = w.local_socket
@@ -181,9 +182,10 @@ def test_remote_writer_gone_right_after_enqueue(procs, how):
         assert p.exitcode == (-signal.SIGKILL if how == "kill" else 0)
 
 
-def test_many_outstanding_overflow_payloads():
+def test_many_outstanding_overflow_payloads(monkeypatch):
     """More payloads outstanding than ZMQ's default high-water mark (1000):
     they used to be dropped, and a mark received a later message's payload."""
+    monkeypatch.setenv("FASTMQ_PARTS", "0")   # the socket path, not parts
     n = 2600
     w, (r,) = local_pair(1, max_chunk_bytes=64, max_chunks=n + 10,
                          enable_shm_tensor_arena=False)

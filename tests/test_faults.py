@@ -349,9 +349,9 @@ def test_env_geometry_overrides_every_queue(monkeypatch):
     assert tuple(writer.handle.buffer_handle[:3]) == (1, 1 << 20, 3)
     assert writer.buffer.segment.size < 4 << 20
     (reader,) = _connect(writer, [0])
-    writer.enqueue(np.ones(2 << 20, dtype=np.uint8))          # > 1 MiB: overflow
+    writer.enqueue(np.ones(2 << 20, dtype=np.uint8))          # > 1 MiB: 3 parts
     assert reader.dequeue(timeout=10).sum() == 2 << 20
-    assert writer.stats()["overflow_messages"] == 1
+    assert writer.stats()["parts_messages"] == 1
 
 
 def test_budget_that_does_not_fit_fails_early(monkeypatch):

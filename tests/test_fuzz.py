@@ -199,6 +199,17 @@ def test_fuzz_ring_chunks():
             assert kind != "valid", (i, e)
             name = type(e).__name__
             seen[name] = seen.get(name, 0) + 1
+        except TimeoutError:
+            # An abort (kind 3) with no message before it leaves nothing to
+            # read; a forged first part that holds together reads as the
+            # start of a larger message, whose next part the reader waits
+            # for, as it must for a real one.  The abort a writer publishes
+            # after a stopped message ends that.
+            assert data[0] in (2, 3), i
+            if reader._end._parts is not None:
+                with writer.acquire_write() as buf:
+                    buf[0] = 3
+            seen["waits"] = seen.get("waits", 0) + 1
         else:
             if kind == "valid":
                 assert got == expected, i

@@ -286,6 +286,7 @@ def test_shutdown_from_a_signal_handler_between_payload_and_mark(procs, monkeypa
     reader had already seen "closed" and stopped without the message."""
     from fastmq._writer import QueueWriter
 
+    monkeypatch.setenv("FASTMQ_PARTS", "0")   # the socket path, not parts
     w = MessageQueue(1, 1, max_chunk_bytes=64 * 1024, max_chunks=4,
                      enable_shm_tensor_arena=False)
     parent, child = mp.Pipe()

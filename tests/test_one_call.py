@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from _queues import local_pair
-from fastmq._ring import OVERFLOW, PENDING, PICKLER_STALE
+from fastmq._ring import OVERFLOW, PARTS, PENDING, PICKLER_STALE
 from fastmq._sink import PickleSink
 
 
@@ -146,13 +146,17 @@ def test_ring_statuses_of_the_one_call_path():
     enc.sink.clear()
     with pytest.raises(RuntimeError, match="no pickled message"):
         ring.send_pickled(enc.sink, 1)
-    # The reader's side: a wait status, and an overflow mark.
+    # The reader's side: a wait status, a message in parts (two fit the two
+    # free chunks), and an overflow mark (five parts would not).
     rring = r._ring
     with pytest.raises(TimeoutError):
         rring.read_object(0.01)
     w.enqueue("z" * 8000)
-    assert rring.read_object(5) is PENDING and rring.pending == OVERFLOW
+    assert rring.read_object(5) is PENDING and rring.pending == PARTS
     assert r.dequeue(timeout=5) == "z" * 8000
+    w.enqueue("v" * 20000)
+    assert rring.read_object(5) is PENDING and rring.pending == OVERFLOW
+    assert r.dequeue(timeout=5) == "v" * 20000
 
 
 def test_the_sink_shrinks_after_a_huge_stream():

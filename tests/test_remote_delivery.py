@@ -156,10 +156,11 @@ def _raise(*_):
 
 
 @pytest.mark.parametrize("how", ["socket error", "signal handler"])
-def test_interrupted_multipart_send_is_dropped_whole(how):
+def test_interrupted_multipart_send_is_dropped_whole(how, monkeypatch):
     """An exception between the frames of an overflow message used to
     leave the first frames queued, glued to the next message: the next
     message was lost (as a CorruptChunkError)."""
+    monkeypatch.setenv("FASTMQ_PARTS", "0")   # the socket path, not parts
     w = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4,
                      enable_shm_tensor_arena=False)
     r = MessageQueue.create_from_handle(w.export_handle(), 0)

@@ -20,7 +20,9 @@ def _notes(rs, records) -> list[str]:
     names = {r["impl"] for r in rs}
     return ["paths: +arena = the tensor arena (one copy into shared memory, readers map "
             "it); fastmq-futex / vllm without it: the ring for a message that fits a ring "
-            "chunk (24 MiB by default), the overflow path above (the chunk marks the "
+            "chunk (24 MiB by default); a larger one fastmq sends in parts through the "
+            "ring's free chunks when they hold it (8 MiB parts: up to 80 MiB in the default "
+            "ring), else, as vLLM always does, over the overflow path (the chunk marks the "
             "message, the payload goes over the ipc socket); +bytes: the same bytes as one "
             "bytes object, pickled in-band (no out-of-band buffer, no arena).",
             *impls_mod.remote_notes(names),
@@ -64,8 +66,9 @@ SPEC = Scenario(
                   "fastmq-futex+arena", "vllm+arena", unit="ms", readme=True),),
     summary_size=64 * MiB, needs_torch=True, notes=_notes,
     grids=(("large tensors, every reader reads every byte: p50 ms, vLLM / fastmq on the "
-            "same path", "arena off: a message larger than a ring chunk (24 MiB by default) "
-            "takes the overflow path (ipc socket), a smaller one the ring; remote: TCP over "
+            "same path", "arena off: a message that fits a ring chunk (24 MiB by default) takes "
+            "the ring; a larger one, in fastmq, parts through the ring's free chunks when they "
+            "hold it (up to 80 MiB), else the overflow path (ipc socket); remote: TCP over "
             "{link} (remote both ways: the answers too), with fastmq's default security (a "
             "keyed MAC on every message), +encrypt (AES-GCM) or +plain (unauthenticated); "
             "vLLM's remote path is plain TCP.", "vLLM / fastmq ms = ratio",

@@ -1,0 +1,155 @@
+"""A message too big for a ring chunk, through the ring itself: the
+writer's cut into parts and a reader's reassembly (chunk layout:
+fastmq/_ring.pyx).  Used when every reader is on the writer's node and the
+message's parts fit the chunks that are free when it is sent; otherwise
+(remote readers, a message larger than the free ring) the payload takes
+the overflow socket (fastmq._overflow).
+
+Why the ring and not the socket: a socket moves the payload twice through
+the kernel (into the socket buffer, out into a fresh allocation per reader)
+in small slices, each a wakeup of the other side.  The ring's chunks are
+shared memory the writer already reserved: the writer copies each part in
+once and every reader copies it out into memory it keeps for the next large
+message.  Why only into free chunks: the writer then never waits for a
+reader to read, so a large message decouples writer and readers as the
+socket does (a reader busy elsewhere does not hold the writer up, and a
+thread that writes and also reads the queue cannot deadlock itself).
+
+The part stream::
+
+    [u64 nbuf][u64 len x nbuf][buf0: the pickle stream][buf1]...
+
+cut into parts of at most PART_BYTES (or a chunk); its head (the lengths)
+lies in part 0.
+"""
+from __future__ import annotations
+
+import struct
+
+from fastmq._ring import CorruptChunkError
+from fastmq._segment import memory_available
+
+# Bytes per part (with its header), at most a chunk: a large message then
+# reserves at most this much of each chunk it passes through (80 MiB of
+# vLLM's 10 x 24 MiB ring, not all of it), and a message of up to a ring's
+# worth of parts (80 MiB there) goes through the ring.
+PART_BYTES = 8 << 20
+# Reassembly buffers at least this large come from the reader's pool of
+# reused memory; smaller ones are plain bytearrays.
+POOLED_MIN = 1 << 20
+
+_U64 = struct.Struct("<Q")
+
+
+def part_payload(max_chunk_bytes: int, part_head: int) -> int:
+    """The payload of one part in a ring of ``max_chunk_bytes`` chunks."""
+    return min(PART_BYTES, max_chunk_bytes) - part_head
+
+
+def cut(frames: list, payload: int) -> list | None:
+    """``[(pieces, offset)]``: the parts of ``frames`` (the pickle stream,
+    then the out-of-band buffers), each a list of (buffer, start, length)
+    pieces of at most ``payload`` bytes in all; with the stream's length
+    as ``total``.  None when the head would not fit in part 0."""
+    lens = [memoryview(f).nbytes for f in frames]
+    head = struct.pack(f"<{1 + len(lens)}Q", len(lens), *lens)
+    if len(head) > payload:
+        return None
+    parts, pieces, room, offset = [], [], payload, 0
+    for buf, size in ((head, len(head)), *zip(frames, lens)):
+        start = 0
+        while start < size:
+            n = min(room, size - start)
+            pieces.append((buf, start, n))
+            start += n
+            room -= n
+            if room == 0:
+                parts.append((pieces, offset))
+                offset += payload
+                pieces, room = [], payload
+    if pieces:
+        parts.append((pieces, offset))
+    return parts
+
+
+def stream_length(frames: list) -> int:
+    return 8 * (1 + len(frames)) + sum(memoryview(f).nbytes for f in frames)
+
+
+class Assembly:
+    """One reader's copy of a part stream in progress.  Kept by the reader
+    across dequeue() calls: a timeout between parts resumes where it was."""
+
+    def __init__(self, total: int, pool):
+        self.total = total
+        self.next_index = 0
+        self.received = 0
+        self.frames: list = []
+        # Part 0 was refused (the message is more than this host has): that
+        # error was raised once; the rest of the message is passed over,
+        # part by part, and the message dropped.
+        self.skipping = False
+        self._pool = pool
+        self._spans: list = []   # (stream offset, length, frame)
+
+    def take(self, ring, idx: int, index: int, total: int, offset: int, length: int) -> bool:
+        """Copy part ``index`` out of chunk ``idx``; True once the message
+        is whole (or, ``skipping``, passed over).  Raises
+        ``CorruptChunkError`` for a part that does not follow the last one
+        or a head that lies, ``MemoryError`` for a message larger than the
+        host has (then ``skipping`` while parts of it remain)."""
+        where = f"fastmq ring chunk {idx}"
+        if index != self.next_index or total != self.total or offset != self.received:
+            raise CorruptChunkError(
+                f"{where}: part {index} at offset {offset} of a {total}-byte stream does not "
+                f"follow part {self.next_index - 1} (offset {self.received} of {self.total})")
+        end = offset + length
+        self.next_index += 1
+        self.received = end
+        if index == 0:
+            try:
+                self._open(ring, idx, length, where)
+            except MemoryError:
+                # A well-formed message this reader cannot hold: its other
+                # parts are passed over.  (A head that lies ends the stream
+                # here instead: nothing after it can be trusted to follow.)
+                self.skipping = end < self.total
+                self.frames, self._spans = [], []
+                raise
+        for at, size, frame in self._spans:
+            lo, hi = max(at, offset), min(at + size, end)
+            if lo < hi:
+                ring.copy_part(idx, lo - offset, frame, lo - at, hi - lo)
+        return end == self.total
+
+    def _open(self, ring, idx: int, length: int, where: str) -> None:
+        # The head: the buffer count, then the lengths; every figure is
+        # checked against the stream before any buffer is allocated.
+        word = bytearray(8)
+        if length < 8:
+            raise CorruptChunkError(f"{where}: part 0 of {length} bytes holds no head")
+        ring.copy_part(idx, 0, word, 0, 8)
+        (n,) = _U64.unpack(word)
+        head = 8 * (1 + n)
+        if n < 1 or head > length or head > self.total:
+            raise CorruptChunkError(f"{where}: a part stream names {n} buffers, which its "
+                                    f"{length}-byte first part cannot list")
+        table = bytearray(8 * n)
+        ring.copy_part(idx, 8, table, 0, 8 * n)
+        lens = struct.unpack(f"<{n}Q", table)
+        if head + sum(lens) != self.total:
+            raise CorruptChunkError(f"{where}: a part stream's buffers add up to "
+                                    f"{head + sum(lens)} bytes, the stream is {self.total}")
+        # Asked before any page is allocated: populating more than the host
+        # has would wake the OOM killer rather than fail.
+        avail = memory_available()
+        if 0 <= avail < self.total:
+            raise MemoryError(f"fastmq: a {self.total}-byte message arrived in parts, more "
+                              f"than this host has available now ({avail} bytes); it is "
+                              "dropped for this reader")
+        at = head
+        for size in lens:
+            frame = self._pool.take(size) if size >= POOLED_MIN else bytearray(size)
+            self.frames.append(frame)
+            self._spans.append((at, size, frame))
+            at += size

@@ -1,0 +1,328 @@
+"""A message too big for a ring chunk, with node-local readers only, goes
+through the ring in parts (fastmq._parts): boundaries, a reader's timeout
+between parts, a writer's, a writer stopped or killed between parts, the
+arena slots of a message that never completed, and parts that lie."""
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from _parts_children import big_message, partial_writer_main
+from _queues import local_pair
+from fastmq import MessageQueue
+from fastmq._parts import PART_BYTES
+from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
+
+CHUNK = 1 << 16                      # 64 KiB chunks: a 1 MiB message is 17 parts
+PAYLOAD = CHUNK - PART_HEAD_BYTES
+
+
+def _equal(got, want):
+    assert got.keys() == want.keys()
+    assert got["seed"] == want["seed"] and got["inband"] == want["inband"]
+    assert np.array_equal(got["a"], want["a"]) and np.array_equal(got["b"], want["b"])
+
+
+def _stream_length(n_bytes_inband: int) -> int:
+    # One in-band bytes object: the part stream is the head (1 buffer) plus
+    # the pickle stream, whose length is measured, not guessed.
+    import pickle
+    return 16 + len(pickle.dumps(b"x" * n_bytes_inband, protocol=5))
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_stream_lengths_at_part_boundaries(extra):
+    # An in-band size whose part stream is exactly 5 parts, then one byte
+    # either side: the last part full, one byte, or one byte short.
+    n = 5 * PAYLOAD - _stream_length(0)
+    while _stream_length(n) > 5 * PAYLOAD:
+        n -= 1
+    while _stream_length(n) < 5 * PAYLOAD:
+        n += 1
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=8, enable_shm_tensor_arena=False)
+    msg = bytes(range(256)) * ((n + extra) // 256) + b"\x07" * ((n + extra) % 256)
+    # No reader is reading: the parts fit the free ring, so enqueue() returns.
+    w.enqueue(msg, timeout=5)
+    assert r.dequeue(timeout=5) == msg
+    st = w.stats()
+    assert (st["parts_messages"], st["overflow_messages"]) == (1, 0)
+    assert st["parts_bytes"] == _stream_length(len(msg))
+
+
+def test_buffers_of_many_sizes_to_two_readers_in_order():
+    w, rs = local_pair(2, max_chunk_bytes=CHUNK, max_chunks=40, enable_shm_tensor_arena=False)
+    msgs = [[np.full(k * 1000 + 1, i, dtype=np.int64) for k in range(1, 30, 7)]
+            + [torch.arange(300_000 + i, dtype=torch.int32)] for i in range(4)]
+    for m in msgs:
+        w.enqueue(m, timeout=5)
+        for r in rs:
+            g = r.dequeue(timeout=5)
+            assert all(np.array_equal(a, b) for a, b in zip(m[:-1], g[:-1]))
+            assert torch.equal(m[-1], g[-1])
+    assert (w.stats()["parts_messages"], w.stats()["overflow_messages"]) == (len(msgs), 0)
+
+
+def test_a_message_larger_than_the_free_ring_takes_the_socket():
+    # Parts go only into chunks free now, so the writer never waits for a
+    # reader: a message that does not fit (the ring is smaller, or a chunk
+    # is still unread) goes over the overflow socket instead, in order.
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=5, enable_shm_tensor_arena=False)
+    three = b"\x03" * (2 * PAYLOAD + 1000)     # 3 parts
+    five = b"\x05" * 5 * PAYLOAD               # 6 parts: never fits 5 chunks
+    w.enqueue(three, timeout=5)
+    w.enqueue(("small", 1), timeout=5)          # 4 chunks taken, 1 free
+    w.enqueue(five, timeout=5)                  # its mark in the free one
+    assert r.dequeue(timeout=5) == three
+    assert r.dequeue(timeout=5) == ("small", 1)
+    w.enqueue(three, timeout=5)                 # 4 free again: in parts
+    assert r.dequeue(timeout=5) == five
+    assert r.dequeue(timeout=5) == three
+    st = w.stats()
+    assert (st["parts_messages"], st["overflow_messages"], st["ring_messages"]) == (2, 1, 1)
+
+
+def test_a_larger_message_streams_through_the_ring_to_waiting_readers():
+    # Two readers waiting in dequeue(): a message of 20 parts goes through a
+    # 4-chunk ring in parts, the writer taking each chunk as both readers
+    # release it.  Not waiting, the same message takes the socket.
+    w, rs = local_pair(2, max_chunk_bytes=CHUNK, max_chunks=4, enable_shm_tensor_arena=False)
+    ring = w._end.ring
+    assert not ring.readers_waiting()
+    msg = big_message(3, 20 * PAYLOAD)
+    got = {}
+
+    def read(rank):
+        got[rank] = rs[rank].dequeue(timeout=30)
+
+    ts = [threading.Thread(target=read, args=(k,)) for k in (0, 1)]
+    for t in ts:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not ring.readers_waiting():
+        assert time.monotonic() < deadline, "the readers never showed as waiting"
+        time.sleep(0.001)
+    w.enqueue(msg, timeout=30)
+    for t in ts:
+        t.join(30)
+    for rank in (0, 1):
+        _equal(got[rank], msg)
+    st = w.stats()
+    assert (st["parts_messages"], st["overflow_messages"]) == (1, 0)
+    assert not ring.readers_waiting()
+    w.enqueue(msg, timeout=30)                  # nobody waiting: the socket
+    for r in rs:
+        _equal(r.dequeue(timeout=30), msg)
+    assert w.stats()["overflow_messages"] == 1
+
+
+def test_parts_reserve_a_bounded_share_of_each_chunk():
+    # 16 MiB chunks: a 20 MiB message is three parts of at most PART_BYTES,
+    # so the ring holds about 20 MiB for it, not three whole chunks.
+    w, (r,) = local_pair(max_chunk_bytes=16 << 20, max_chunks=4,
+                         enable_shm_tensor_arena=False)
+    before = w.buffer.segment.held_bytes()
+    msg = np.arange(20 << 17, dtype=np.int64)          # 20 MiB, out of band
+    w.enqueue(msg, timeout=10)
+    assert np.array_equal(r.dequeue(timeout=10), msg)
+    assert w.stats()["parts_messages"] == 1
+    assert w.buffer.segment.held_bytes() - before <= 3 * PART_BYTES
+    assert PART_BYTES < 16 << 20
+
+
+class _FailingRing:
+    """The writer's ring, failing the publish of part ``fail_at`` as a signal
+    or memory running out would."""
+
+    def __init__(self, ring, fail_at: int):
+        self._ring, self._fail_at = ring, fail_at
+
+    def send_part(self, pieces, index, total, offset):
+        if index == self._fail_at:
+            raise KeyboardInterrupt
+        return self._ring.send_part(pieces, index, total, offset)
+
+    def __getattr__(self, name):
+        return getattr(self._ring, name)
+
+
+def test_a_send_stopped_between_parts_is_dropped_by_every_reader():
+    w, rs = local_pair(2, max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
+    ring = w._end.ring
+    w._end.ring = _FailingRing(ring, fail_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        w.enqueue(big_message(1, 1 << 20), timeout=5)
+    w._end.ring = ring
+    w.enqueue("next", timeout=5)
+    w.enqueue(big_message(2, 1 << 20), timeout=5)
+    for r in rs:
+        assert r.dequeue(timeout=5) == "next"
+        _equal(r.dequeue(timeout=5), big_message(2, 1 << 20))
+        assert r._end._parts is None
+    assert w.stats()["parts_messages"] == 1
+
+
+def test_arena_slots_of_a_message_that_never_completed_are_free_again():
+    # A tensor in the arena's only slot, beside in-band bytes that need parts;
+    # the send stops between parts.  Its slot must not be left to readers who
+    # will never see the message.
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, arena_slots=1,
+                         arena_slot_mb=4, arena_min_mb=1)
+    assert w.tensor_arena is not None
+    ring = w._end.ring
+    w._end.ring = _FailingRing(ring, fail_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        w.enqueue((torch.ones(1 << 19), b"\x01" * (1 << 20)), timeout=5)
+    w._end.ring = ring
+    assert w.stats()["arena_hits"] == 1
+    msg = (torch.arange(1 << 19, dtype=torch.float32), b"\x02" * (1 << 20))
+    w.enqueue(msg, timeout=5)
+    got = r.dequeue(timeout=5)
+    assert torch.equal(got[0], msg[0]) and got[1] == msg[1]
+    assert r.tensor_arena.contains(got[0].data_ptr())
+    st = w.stats()
+    assert st["arena_hits"] == 2 and st["arena_fallback_exhausted"] == 0
+
+
+@pytest.mark.parametrize("chunks", [8, 3], ids=["fits", "streams"])
+def test_shutdown_from_a_signal_handler_between_parts(procs, chunks):
+    """shutdown() in a signal handler between two parts: enqueue() either
+    returns and the reader has the message, or raises and it has not."""
+    import multiprocessing as mp
+
+    import _lifecycle_children as lc
+
+    w = MessageQueue(1, 1, max_chunk_bytes=CHUNK, max_chunks=chunks,
+                     enable_shm_tensor_arena=False)
+    parent, child = mp.Pipe()
+    procs.start(lc.reader_collect_until_closed, w.export_handle(), 0, child)
+    w.wait_until_ready()
+    w.enqueue(b"small")
+    ring = w._end.ring
+    deadline = time.monotonic() + 10
+    while not ring.readers_waiting():           # the reader waits for more
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+    def on_signal(signum, frame):
+        w.shutdown()
+        time.sleep(0.3)
+
+    class _SignalAtPart1(_FailingRing):
+        def send_part(self, pieces, index, total, offset):
+            if index == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return self._ring.send_part(pieces, index, total, offset)
+
+    big = b"x" * (5 * PAYLOAD)                  # 6 parts
+    old = signal.signal(signal.SIGUSR1, on_signal)
+    w._end.ring = _SignalAtPart1(ring, -1)
+    try:
+        try:
+            w.enqueue(big, timeout=10)
+            returned = True
+        except RuntimeError:
+            returned = False
+    finally:
+        w._end.ring = ring
+        signal.signal(signal.SIGUSR1, old)
+    got = parent.recv()
+    procs.join_all()
+    assert got == ([b"small", big] if returned else [b"small"])
+    # shutdown() cancels the waits: the next part's turn raises even when free.
+    assert not returned
+    assert w.stats()["parts_messages"] == (1 if returned else 0)
+
+
+def _raw_part(w, kind=2, index=0, total=100, offset=0, length=100, payload=b""):
+    with w.acquire_write(timeout=5) as buf:
+        struct.pack_into("<B3xIQQQ", buf, 0, kind, index, total, offset, length)
+        buf[PART_HEAD_BYTES:PART_HEAD_BYTES + len(payload)] = payload
+
+
+def _head(*lens):
+    return struct.pack(f"<{1 + len(lens)}Q", len(lens), *lens)
+
+
+def _pickled_parts(obj):
+    """``obj``'s part stream as the writer cuts it, in PAYLOAD slices."""
+    import pickle
+    stream = _head(len(p := pickle.dumps(obj, protocol=5))) + p
+    return len(stream), [stream[i:i + PAYLOAD] for i in range(0, len(stream), PAYLOAD)]
+
+
+def test_reader_timeout_between_parts_resumes():
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=8, enable_shm_tensor_arena=False)
+    msg = b"\x09" * (3 * PAYLOAD)
+    total, parts = _pickled_parts(msg)
+    for i in (0, 1):
+        _raw_part(w, index=i, total=total, offset=i * PAYLOAD, length=len(parts[i]),
+                  payload=parts[i])
+    with pytest.raises(TimeoutError):
+        r.dequeue(timeout=0.3)
+    assert r._end._parts is not None and r._end._parts.next_index == 2
+    for i in range(2, len(parts)):
+        _raw_part(w, index=i, total=total, offset=i * PAYLOAD, length=len(parts[i]),
+                  payload=parts[i])
+    assert r.dequeue(timeout=5) == msg
+    w.enqueue("after", timeout=5)
+    assert r.dequeue(timeout=5) == "after"
+
+
+def test_writer_killed_between_parts(procs, spawn_ctx):
+    q = spawn_ctx.Queue()
+    p = procs.start(partial_writer_main, q, CHUNK)
+    r = MessageQueue.create_from_handle(q.get(timeout=60), 0)
+    r.wait_until_ready()
+    try:
+        assert q.get(timeout=60) == "part 0 out"
+        with pytest.raises(TimeoutError):
+            r.dequeue(timeout=0.3)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        with pytest.raises(RuntimeError, match="died"):
+            r.dequeue(timeout=10)
+    finally:
+        r.shutdown()
+
+
+@pytest.mark.parametrize("part", [
+    dict(length=CHUNK),                                        # past the chunk
+    dict(total=50, length=100),                                # past its stream
+    dict(index=1, offset=0),                                   # no part 0 before it
+    dict(length=4, payload=b"\x01\x00\x00\x00"),               # no room for a head
+    dict(total=1 << 40, length=16, payload=_head(1 << 59)[:16]),   # absurd count
+    dict(total=40, length=40, payload=_head(10, 10) + b"\x00" * 16),   # wrong sum
+], ids=["chunk", "stream", "orphan", "short-head", "count", "sum"])
+def test_parts_that_lie_raise_and_the_queue_stays_usable(part):
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=4, enable_shm_tensor_arena=False)
+    _raw_part(w, **part)
+    with pytest.raises(CorruptChunkError):
+        r.dequeue(timeout=5)
+    w.enqueue(("after", 1), timeout=5)
+    assert r.dequeue(timeout=5) == ("after", 1)
+    assert r._end._parts is None
+
+
+def test_a_message_larger_than_the_host_is_refused_before_any_allocation():
+    # A well-formed first part of a 1 TiB message: refused at once (no page
+    # populated), its other parts passed over; a chunk that is not its next
+    # part is named as corrupt, and the queue goes on.
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=4, enable_shm_tensor_arena=False)
+    total = 1 << 40
+    _raw_part(w, total=total, length=PAYLOAD, payload=_head(total - 16))
+    _raw_part(w, index=1, total=total, offset=PAYLOAD, length=PAYLOAD)
+    w.enqueue("not a part", timeout=5)
+    with pytest.raises(MemoryError, match="more than this host has"):
+        r.dequeue(timeout=5)
+    with pytest.raises(CorruptChunkError, match="expected the next part"):
+        r.dequeue(timeout=5)
+    w.enqueue(("after", 1), timeout=5)
+    assert r.dequeue(timeout=5) == ("after", 1)
+    assert r._end._parts is None
