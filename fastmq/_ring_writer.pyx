@@ -472,7 +472,9 @@ cdef class RingWriter(RingEnd):
         for obj, start, ln in pieces:
             PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE)
             try:
-                if start + ln > view.len:
+                # Checked again at the point of use: the first pass summed
+                # what the pieces said then.
+                if start + ln > view.len or at + ln > PART_HEAD + n:
                     raise ValueError("fastmq ring: a part piece runs past its buffer")
                 if ln >= NOGIL_COPY_MIN:
                     with nogil:
