@@ -1,19 +1,20 @@
 """A message too big for a ring chunk, through the ring itself: the
 writer's cut into parts and a reader's reassembly (chunk layout:
-fastmq/_ring.pyx).  Used when every reader is on the writer's node and the
-message's parts fit the chunks that are free when it is sent; otherwise
-(remote readers, a message larger than the free ring) the payload takes
-the overflow socket (fastmq._overflow).
+fastmq/_ring.pyx).  Used when every reader is on the writer's node and
+either the message's parts fit the chunks free when it is sent, or every
+reader is waiting for the next chunk; otherwise (remote readers, a reader
+busy elsewhere with the free ring too small) the payload takes the
+overflow socket (fastmq._overflow).
 
 Why the ring and not the socket: a socket moves the payload twice through
 the kernel (into the socket buffer, out into a fresh allocation per reader)
 in small slices, each a wakeup of the other side.  The ring's chunks are
 shared memory the writer already reserved: the writer copies each part in
 once and every reader copies it out into memory it keeps for the next large
-message.  Why only into free chunks: the writer then never waits for a
-reader to read, so a large message decouples writer and readers as the
-socket does (a reader busy elsewhere does not hold the writer up, and a
-thread that writes and also reads the queue cannot deadlock itself).
+message.  Why only then: the writer never waits for a reader that is not
+reading, so a large message decouples writer and readers as the socket
+does (a reader busy elsewhere does not hold the writer up, and a thread
+that writes and also reads the queue cannot deadlock itself).
 
 The part stream::
 
