@@ -18,7 +18,12 @@ that writes and also reads the queue cannot deadlock itself).
 
 The part stream::
 
-    [u64 nbuf][u64 len x nbuf][buf0: the pickle stream][buf1]...
+    [u64 nbuf][u64 kind << 62 | len, x nbuf][buf0: the pickle stream][buf1]...
+
+A buffer's kind says what the reader copies it into: memory of its own
+(the buffer is an out-of-band buffer of the pickle), or a fresh ``bytes``
+or ``bytearray`` that the unpickler takes as the object itself (a large
+in-band payload the writer moved out of the stream, fastmq._sink).
 
 cut into parts of at most PART_BYTES (or a chunk); its head (the lengths)
 lies in part 0.
@@ -27,8 +32,10 @@ from __future__ import annotations
 
 import struct
 
+from fastmq._recv_buffers import fresh_bytearray, fresh_bytes
 from fastmq._ring import CorruptChunkError
 from fastmq._segment import memory_available
+from fastmq._sink import KIND_BUFFER, KIND_BYTEARRAY, KIND_BYTES
 
 # Bytes per part (with its header), at most a chunk: a large message then
 # reserves at most this much of each chunk it passes through (80 MiB of
@@ -41,27 +48,35 @@ POOLED_MIN = 1 << 20
 
 _U64 = struct.Struct("<Q")
 
+# A buffer's length word in the head carries its kind (fastmq._sink) in
+# the top two bits: what the reader copies it into.
+KIND_SHIFT = 62
+_LENGTH_MASK = (1 << KIND_SHIFT) - 1
+
 
 def part_payload(max_chunk_bytes: int, part_head: int) -> int:
     """The payload of one part in a ring of ``max_chunk_bytes`` chunks."""
     return min(PART_BYTES, max_chunk_bytes) - part_head
 
 
-def cut(frames: list, payload: int) -> list | None:
-    """``[(pieces, offset)]``: the parts of ``frames`` (the pickle stream,
-    then the out-of-band buffers), each a list of (buffer, start, length)
-    pieces of at most ``payload`` bytes in all; with the stream's length
-    as ``total``.  None when the head would not fit in part 0."""
-    lens = [memoryview(f).nbytes for f in frames]
-    head = struct.pack(f"<{1 + len(lens)}Q", len(lens), *lens)
+def cut(stream: list, oob: list, kinds: list, payload: int) -> tuple[list, int] | None:
+    """``([(pieces, offset)], total)``: the parts of a message -- its pickle
+    stream as ``(buffer, start, length)`` pieces, then its out-of-band
+    buffers, each of a kind (``PickleSink.stream()``) -- each part a list of
+    such pieces of at most ``payload`` bytes in all, and the part stream's
+    length.  None when the head would not fit in part 0."""
+    lens = [sum(n for _, _, n in stream), *(memoryview(f).nbytes for f in oob)]
+    words = [lens[0], *(n | kind << KIND_SHIFT for n, kind in zip(lens[1:], kinds))]
+    head = struct.pack(f"<{1 + len(words)}Q", len(words), *words)
     if len(head) > payload:
         return None
     parts, pieces, room, offset = [], [], payload, 0
-    for buf, size in ((head, len(head)), *zip(frames, lens)):
+    for buf, first, size in ((head, 0, len(head)), *stream,
+                             *((f, 0, n) for f, n in zip(oob, lens[1:]))):
         start = 0
         while start < size:
             n = min(room, size - start)
-            pieces.append((buf, start, n))
+            pieces.append((buf, first + start, n))
             start += n
             room -= n
             if room == 0:
@@ -70,11 +85,7 @@ def cut(frames: list, payload: int) -> list | None:
                 pieces, room = [], payload
     if pieces:
         parts.append((pieces, offset))
-    return parts
-
-
-def stream_length(frames: list) -> int:
-    return 8 * (1 + len(frames)) + sum(memoryview(f).nbytes for f in frames)
+    return parts, len(head) + sum(lens)
 
 
 class Assembly:
@@ -137,7 +148,12 @@ class Assembly:
                                     f"{length}-byte first part cannot list")
         table = bytearray(8 * n)
         ring.copy_part(idx, 8, table, 0, 8 * n)
-        lens = struct.unpack(f"<{n}Q", table)
+        words = struct.unpack(f"<{n}Q", table)
+        lens = [w & _LENGTH_MASK for w in words]
+        kinds = [w >> KIND_SHIFT for w in words]
+        if kinds[0] != KIND_BUFFER or max(kinds) > KIND_BYTEARRAY:
+            raise CorruptChunkError(f"{where}: a part stream names a buffer of unknown kind "
+                                    f"({kinds})")
         if head + sum(lens) != self.total:
             raise CorruptChunkError(f"{where}: a part stream's buffers add up to "
                                     f"{head + sum(lens)} bytes, the stream is {self.total}")
@@ -149,8 +165,16 @@ class Assembly:
                               f"than this host has available now ({avail} bytes); it is "
                               "dropped for this reader")
         at = head
-        for size in lens:
-            frame = self._pool.take(size) if size >= POOLED_MIN else bytearray(size)
+        for size, kind in zip(lens, kinds):
+            if kind == KIND_BYTES:
+                # The object the message holds: written here, before
+                # anybody else can see it.
+                frame, target = fresh_bytes(size)
+            elif kind == KIND_BYTEARRAY:
+                frame = target = fresh_bytearray(size)
+            else:
+                frame = target = (self._pool.take(size) if size >= POOLED_MIN
+                                  else bytearray(size))
             self.frames.append(frame)
-            self._spans.append((at, size, frame))
+            self._spans.append((at, size, target))
             at += size

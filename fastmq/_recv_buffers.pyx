@@ -22,6 +22,9 @@ fit goes back to the kernel.  Blocks are anonymous private mappings: a
 fork child gets its own copy of each, and nothing outlives the process.
 """
 from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.stdint cimport uintptr_t
 from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, madvise,
                          mmap, munmap)
 
@@ -35,6 +38,49 @@ cdef enum:
 
 cdef size_t _pages(size_t n):
     return (n + PAGE - 1) & ~(<size_t>PAGE - 1)
+
+
+cdef void _populate(char *p, size_t n) noexcept:
+    # The whole pages inside [p, p + n), faulted in by one call: malloc
+    # maps a large block fresh, and the copy that fills it would otherwise
+    # take a fault per page.  Advice only: refused, the copy faults.
+    cdef uintptr_t lo = _pages(<uintptr_t>p), hi = (<uintptr_t>p + n) & ~(<uintptr_t>PAGE - 1)
+    if n >= (1 << 20) and hi > lo:
+        madvise(<void *>lo, hi - lo, MADV_POPULATE_WRITE)
+
+
+def fresh_bytes(Py_ssize_t length):
+    """``(obj, target)``: a new ``bytes`` of ``length`` bytes (contents
+    undefined) and a writable buffer over its memory that keeps it alive,
+    for the copy that fills it before anybody else sees the object."""
+    if length < 0:
+        raise ValueError(f"fresh_bytes: length must be >= 0, got {length}")
+    obj = PyBytes_FromStringAndSize(NULL, length)
+    _populate(PyBytes_AS_STRING(obj), length)
+    cdef Filling target = Filling.__new__(Filling)
+    target.obj = obj
+    return obj, target
+
+
+def fresh_bytearray(Py_ssize_t length):
+    """A new ``bytearray`` of ``length`` bytes, contents undefined (not
+    zeroed: the copy that fills it is the only pass over it)."""
+    if length < 0:
+        raise ValueError(f"fresh_bytearray: length must be >= 0, got {length}")
+    obj = PyByteArray_FromStringAndSize(NULL, length)
+    _populate(PyByteArray_AS_STRING(obj), length)
+    return obj
+
+
+cdef class Filling:
+    """Writable access to a ``bytes`` object's memory, made only by
+    ``fresh_bytes`` for an object nobody else holds yet."""
+
+    cdef object obj
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        PyBuffer_FillInfo(view, self, PyBytes_AS_STRING(self.obj),
+                          PyBytes_GET_SIZE(self.obj), 0, flags)
 
 
 cdef class BufferPool:

@@ -42,6 +42,14 @@ from fastmq._ring import (LAYOUT_VERSION, MAGIC, SLOT_ALIVE, SLOT_DEAD, SLOT_FRE
 cdef uint64_t CLAIM_LEFT = 1ULL << CLAIM_LEFT_BIT
 
 
+cdef inline Py_ssize_t _framed_size(Py_ssize_t n, Py_ssize_t *lens) noexcept nogil:
+    # The bytes _frame fills: head, lengths, each buffer 8-aligned.
+    cdef Py_ssize_t i, total = FRAME_HEAD + 8 * n
+    for i in range(n):
+        total = _align(total, 8) + lens[i]
+    return total
+
+
 cdef inline void _frame(char *c, Py_ssize_t n, const char **ptrs,
                         Py_ssize_t *lens) noexcept nogil:
     # Chunk framing (see fastmq/_ring.pyx): head, lengths, buffers.
@@ -326,11 +334,9 @@ cdef class RingWriter(RingEnd):
                                       bint committed) except -1000:
         # send()'s work once the buffers are pinned: see its docstring for
         # what the result means.
-        cdef Py_ssize_t i, total = FRAME_HEAD + 8 * n, off
+        cdef Py_ssize_t total = _framed_size(n, lens)
         cdef int idx, status
         cdef char *c
-        for i in range(n):
-            total = _align(total, 8) + lens[i]
         if total > self.max_chunk_bytes:
             return 0
         if committed:
@@ -406,14 +412,20 @@ cdef class RingWriter(RingEnd):
         try:
             if views == NULL or ptrs == NULL or lens == NULL:
                 raise MemoryError()
-            ptrs[0] = sink.buf
-            lens[0] = sink.size
+            lens[0] = sink.size + sink.span_bytes
             for i in range(1, n):
                 PyObject_GetBuffer(oob[i - 1], &views[i - 1], PyBUF_SIMPLE)
                 got += 1
                 ptrs[i] = <const char *>views[i - 1].buf
                 lens[i] = views[i - 1].len
-            sent = self.frame_and_publish(n, ptrs, lens, timeout, False)
+            if _framed_size(n, lens) > self.max_chunk_bytes:
+                sent = 0    # the overflow path or parts: the spans stay where they are
+            else:
+                # A message with large in-band payloads that fits a chunk
+                # anyway: its stream in one piece first.
+                sink.flatten()
+                ptrs[0] = sink.buf
+                sent = self.frame_and_publish(n, ptrs, lens, timeout, False)
         finally:
             for i in range(1, got):
                 PyBuffer_Release(&views[i - 1])

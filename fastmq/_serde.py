@@ -18,6 +18,8 @@ import sys
 from pickle import PickleBuffer
 from typing import Any
 
+from fastmq import _config
+from fastmq._recv_buffers import BufferPool
 from fastmq._ring import decode_frames
 from fastmq._sink import PickleSink
 
@@ -141,6 +143,9 @@ class Encoder:
             commit = getattr(arena, "commit", None)
             abort = getattr(arena, "abort", None)
         self.sink = PickleSink(to_slot, commit, abort, oob_min_bytes)
+        # Memory for large streams gathered for a socket (remote readers,
+        # the overflow path), reused once the send lets go of it.
+        self.pool = BufferPool(_config.remote_buffers_bytes())
         self.pickler = None
         self.refresh()
 
@@ -166,7 +171,7 @@ class Encoder:
         sink = self.sink
         if sink.stale():
             self.refresh()
-        return sink.dump(self.pickler, obj)
+        return sink.dump(self.pickler, obj, self.pool)
 
 
 # Every message is decoded by the ring's one decode, whichever way its

@@ -1,10 +1,15 @@
 cdef class PickleSink:
     cdef char *buf
     cdef Py_ssize_t size
-    cdef Py_ssize_t cap
+    cdef readonly Py_ssize_t cap
     # The out-of-band buffers of the message in the buffer, and whether
     # the buffer holds a message not yet sent or let go.
     cdef list oob
+    # Large in-band payloads kept by reference: (offset in the stream's
+    # buffer, object, length); their bytes in all; views of the buffer.
+    cdef list spans
+    cdef readonly Py_ssize_t span_bytes
+    cdef Py_ssize_t exports
     cdef bint holding
     # The arena was asked for a slot for this message (see committed()).
     cdef bint arena_asked
@@ -20,6 +25,11 @@ cdef class PickleSink:
     cdef readonly bint broken
 
     cdef int grow(self, Py_ssize_t need) except -1
+    cdef Py_ssize_t keep(self, object data, Py_ssize_t n) except -1
+    cdef int check_unexported(self) except -1
+    cdef int check_holding(self) except -1
+    cdef int gather(self, char *out) except -1
+    cdef int flatten(self) except -1
     cdef int pickle(self, object pickler, object obj) except -1
     cdef int committed(self) except -1
     cdef inline int let_go(self) except -1

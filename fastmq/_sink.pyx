@@ -8,23 +8,77 @@ straight from this buffer (``RingWriter.send_object``).  The sink never holds
 the pickler (the pickler holds the sink): no reference cycle keeps the
 arena's mapping alive until a GC pass.
 
+A large ``bytes`` or ``bytearray`` pickled in band is not copied: the C
+pickler hands a payload of 64 KiB or more to ``write`` as the object itself,
+and the sink keeps a reference to one of ``SPAN_MIN`` bytes or more (a
+"span", at its offset in the stream) instead of copying it.  The stream is
+then the buffer with the spans inserted: ``frames()`` gathers it into one
+``bytes`` (one copy: the overflow socket, remote readers), and a message
+that fits a chunk is flattened into the buffer first (the copy the writer
+made before).  ``stream()``, for the ring's parts, goes further: a span
+that is a ``bytes`` or ``bytearray`` payload (its opcode and length end
+the buffer before it) leaves the stream as an out-of-band buffer, its
+opcode replaced by ``NEXT_BUFFER``, so that the reader can copy the parts
+straight into a ``bytes`` (or ``bytearray``) of its own and hand that very
+object to the unpickler (which pushes a buffer as given): one copy on each
+side where pickling in band makes two.  Only the caller's own objects are
+kept, for the length of one ``enqueue()``, as with the out-of-band buffers.
+
 The sink also knows what its pickler was built against (the size of
 ``copyreg.dispatch_table``, whether torch was imported yet) and whether
 the pickler's last dump failed: ``needs_new_pickler`` tells the writer's
 encoder to build a fresh one before the next message.
 """
-from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.buffer cimport (PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_FillInfo, PyBuffer_Release,
+                             PyObject_GetBuffer)
 from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize,
                             PyBytes_GET_SIZE)
+from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
 cdef enum:
     FIRST_CAP = 4096
-    # A buffer grown past this for one big stream shrinks back before the
-    # next message: a queue that once sent a huge in-band message does
-    # not hold that much memory for the rest of its life.
+    # A buffer grown past this for big streams shrinks back once a message
+    # did not need it (checked as the next one starts): a queue that once
+    # sent a huge in-band message does not hold that much memory for the
+    # rest of its life, and one sending big messages back to back does not
+    # fault its pages in again for each.
     KEEP_CAP = 1 << 20
+    # In-band payloads this large are kept by reference (see the module
+    # docstring); below it a copy costs less than gathering it later.
+    SPAN_MIN = 1 << 20
+    # A stream gathered for a socket this large goes into pooled memory.
+    POOLED_MIN = 1 << 20
+
+# What an out-of-band buffer of the part stream becomes at the reader (see
+# stream() and fastmq._parts): the buffer it arrives in, or a bytes /
+# bytearray of its own that the unpickler takes as the object itself.
+KIND_BUFFER = 0
+KIND_BYTES = 1
+KIND_BYTEARRAY = 2
+
+# Pickle opcodes (Lib/pickletools.py) that introduce a large payload, and
+# the one that takes the next out-of-band buffer instead.
+cdef enum:
+    OP_BINBYTES = 0x42      # 'B', u32 length
+    OP_BINBYTES8 = 0x8e     # u64 length
+    OP_BYTEARRAY8 = 0x96    # u64 length
+_NEXT_BUFFER = b"\x97"
+
+
+cdef inline uint64_t _u64_le(const char *p) noexcept:
+    cdef uint64_t v
+    # Native order: pickle's is little-endian, so on a big-endian host no
+    # length matches and every span stays in the stream (still correct).
+    memcpy(&v, p, 8)
+    return v
+
+
+cdef inline uint64_t _u32_le(const char *p) noexcept:
+    cdef uint32_t v
+    memcpy(&v, p, 4)
+    return v
 
 
 cdef class PickleSink:
@@ -49,6 +103,9 @@ cdef class PickleSink:
         self.abort = abort
         self.oob_min = oob_min
         self.oob = []
+        self.spans = []
+        self.span_bytes = 0
+        self.exports = 0
         self.holding = False
         self.copyreg_table = None
         self.broken = True    # no pickler built yet
@@ -81,11 +138,14 @@ cdef class PickleSink:
 
     # -- the pickler's side -----------------------------------------------
     def write(self, data):
-        """The pickler's ``file.write``: append ``data`` to the buffer."""
+        """The pickler's ``file.write``: append ``data`` to the buffer (or,
+        ``SPAN_MIN`` bytes or more, keep it as a span)."""
         cdef Py_buffer v
         cdef Py_ssize_t n
         if PyBytes_CheckExact(data):
             n = PyBytes_GET_SIZE(data)
+            if n >= SPAN_MIN:
+                return self.keep(data, n)
             if self.size + n > self.cap:
                 self.grow(self.size + n)
             memcpy(self.buf + self.size, PyBytes_AS_STRING(data), n)
@@ -94,6 +154,8 @@ cdef class PickleSink:
         PyObject_GetBuffer(data, &v, PyBUF_SIMPLE)
         try:
             n = v.len
+            if n >= SPAN_MIN:
+                return self.keep(data, n)
             if self.size + n > self.cap:
                 self.grow(self.size + n)
             if n >= 65536:
@@ -106,7 +168,32 @@ cdef class PickleSink:
             PyBuffer_Release(&v)
         return n
 
+    cdef Py_ssize_t keep(self, object data, Py_ssize_t n) except -1:
+        # The pickler does not touch ``data`` again; the caller may not
+        # either until enqueue() returns (its length is checked again where
+        # it is copied).  The pickler wrote the payload's opcode and length
+        # just before (its last flush, into the buffer): if they are there,
+        # whole and naming this length, the payload may leave the stream.
+        cdef Py_ssize_t at = self.size, after = 0
+        cdef int kind = KIND_BUFFER, head = 0
+        cdef unsigned char op
+        if self.spans:
+            after = self.spans[len(self.spans) - 1][0]   # (no wraparound here)
+        if at - 9 >= after:
+            op = <unsigned char>self.buf[at - 9]
+            if (op == OP_BINBYTES8 or op == OP_BYTEARRAY8) and _u64_le(self.buf + at - 8) == <uint64_t>n:
+                kind = KIND_BYTES if op == OP_BINBYTES8 else KIND_BYTEARRAY
+                head = 9
+        if head == 0 and at - 5 >= after and <unsigned char>self.buf[at - 5] == OP_BINBYTES \
+                and _u32_le(self.buf + at - 4) == <uint64_t>n:
+            kind = KIND_BYTES
+            head = 5
+        self.spans.append((at, data, n, kind, head, len(self.oob)))
+        self.span_bytes += n
+        return n
+
     cdef int grow(self, Py_ssize_t need) except -1:
+        self.check_unexported()
         cdef Py_ssize_t cap = self.cap
         while cap < need:
             cap *= 2
@@ -136,12 +223,14 @@ cdef class PickleSink:
         """Pickle ``obj`` into the buffer with ``pickler`` (whose file and
         buffer callback are this sink)."""
         cdef char *p
-        if self.cap > KEEP_CAP:
+        self.check_unexported()
+        if self.cap > KEEP_CAP and self.size <= KEEP_CAP:   # (size: the last stream's)
             p = <char *>realloc(self.buf, KEEP_CAP)
             if p != NULL:       # else keep the larger buffer: still valid
                 self.buf = p
                 self.cap = KEEP_CAP
         self.size = 0
+        self.span_bytes = 0
         self.let_go()
         try:
             pickler.dump(obj)
@@ -160,7 +249,25 @@ cdef class PickleSink:
         self.arena_asked = False
         if self.oob:
             del self.oob[:]
+        if self.spans:
+            # (span_bytes stays: nbytes is the last stream's length.)
+            del self.spans[:]
         return 0
+
+    cdef int check_unexported(self) except -1:
+        # The buffer moves (realloc) only while nobody holds a view of it.
+        if self.exports:
+            raise BufferError("fastmq: the pickle buffer is still exported")
+        return 0
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        # The buffer's bytes of the stream (not the spans): what the ring's
+        # part copy reads while it holds this view.
+        PyBuffer_FillInfo(view, self, self.buf, self.size, 1, flags)
+        self.exports += 1
+
+    def __releasebuffer__(self, Py_buffer *view):
+        self.exports -= 1
 
     cdef int committed(self) except -1:
         # The message is published: its arena slots are the readers', and
@@ -178,19 +285,118 @@ cdef class PickleSink:
             self.abort()
         return 0
 
-    def dump(self, pickler, obj):
-        """Pickle ``obj`` and return its frames: ``[stream, oob buffer, ...]``
-        (the stream as ``bytes``); the sink keeps nothing of it."""
+    def dump(self, pickler, obj, pool=None):
+        """Pickle ``obj`` and return its frames (``frames(pool)``); the sink
+        keeps nothing of it."""
         self.pickle(pickler, obj)
-        frames = self.frames()
+        frames = self.frames(pool)
         self.let_go()
         return frames
 
-    def frames(self):
-        """The frames of the message in the buffer: ``[stream, oob...]``."""
+    def frames(self, pool=None):
+        """The frames of the message in the buffer: ``[stream, oob...]``,
+        the stream gathered into one buffer of its own: from ``pool`` (a
+        ``fastmq._recv_buffers.BufferPool``) when it is ``POOLED_MIN`` bytes
+        or more, memory that earlier streams used and gave back (a fresh
+        ``bytes`` would cost a page fault per 4 KiB), else a ``bytes``."""
+        self.check_holding()
+        cdef Py_ssize_t total = self.size + self.span_bytes
+        cdef Py_buffer v
+        if pool is not None and total >= POOLED_MIN:
+            out = pool.take(total)
+            PyObject_GetBuffer(out, &v, PyBUF_WRITABLE)
+            try:
+                if v.len != total:
+                    raise BufferError("fastmq: a pooled buffer of the wrong size")
+                self.gather(<char *>v.buf)
+            finally:
+                PyBuffer_Release(&v)
+            return [out] + self.oob
+        if not self.spans:
+            return [PyBytes_FromStringAndSize(self.buf, self.size)] + self.oob
+        out = PyBytes_FromStringAndSize(NULL, total)
+        self.gather(PyBytes_AS_STRING(out))
+        return [out] + self.oob
+
+    def stream(self):
+        """The message for the ring's parts: ``(pieces, oob, kinds)``.  The
+        pickle stream as ``(buffer, start, length)`` pieces, in order (this
+        sink's buffer, and the spans that stay in it); the out-of-band
+        buffers, with the spans that left the stream among them in stream
+        order; and each out-of-band buffer's kind (``KIND_*``)."""
+        self.check_holding()
+        cdef list pieces = [], oob = list(self.oob), kinds = [KIND_BUFFER] * len(self.oob)
+        cdef Py_ssize_t prev = 0, at, n, head, before, moved = 0
+        cdef int kind
+        for at, data, n, kind, head, before in self.spans:
+            if at - head > prev:
+                pieces.append((self, prev, at - head - prev))
+            if kind == KIND_BUFFER:
+                pieces.append((data, 0, n))
+            else:
+                pieces.append((_NEXT_BUFFER, 0, 1))
+                oob.insert(before + moved, data)
+                kinds.insert(before + moved, kind)
+                moved += 1
+            prev = at
+        if self.size > prev:
+            pieces.append((self, prev, self.size - prev))
+        return pieces, oob, kinds
+
+    cdef int check_holding(self) except -1:
         if not self.holding:
             raise RuntimeError("fastmq: no pickled message in the sink")
-        return [PyBytes_FromStringAndSize(self.buf, self.size)] + self.oob
+        return 0
+
+    cdef int gather(self, char *out) except -1:
+        # The stream into ``out`` (size + span_bytes bytes): the buffer's
+        # bytes between the spans, and each span, whose length is checked
+        # again here (a bytearray can change between pickle and send).
+        cdef Py_ssize_t prev = 0, done = 0, at, n
+        cdef Py_buffer v
+        for at, data, n, _, _, _ in self.spans:
+            memcpy(out + done, self.buf + prev, at - prev)
+            done += at - prev
+            prev = at
+            PyObject_GetBuffer(data, &v, PyBUF_SIMPLE)
+            try:
+                if v.len != n:
+                    raise BufferError("fastmq: an in-band buffer of %d bytes changed size "
+                                      "(now %d) while it was being sent" % (n, v.len))
+                with nogil:
+                    memcpy(out + done, v.buf, n)
+            finally:
+                PyBuffer_Release(&v)
+            done += n
+        n = self.size - prev
+        if n >= 65536:
+            with nogil:
+                memcpy(out + done, self.buf + prev, n)
+        else:
+            memcpy(out + done, self.buf + prev, n)
+        return 0
+
+    cdef int flatten(self) except -1:
+        """Copy the spans into the buffer: the stream in one piece."""
+        if not self.spans:
+            return 0
+        self.check_unexported()
+        cdef Py_ssize_t total = self.size + self.span_bytes
+        cdef char *p = <char *>malloc(total if total > FIRST_CAP else FIRST_CAP)
+        if p == NULL:
+            raise MemoryError()
+        try:
+            self.gather(p)
+        except BaseException:
+            free(p)
+            raise
+        free(self.buf)
+        self.buf = p
+        self.cap = total if total > FIRST_CAP else FIRST_CAP
+        self.size = total
+        del self.spans[:]
+        self.span_bytes = 0
+        return 0
 
     def clear(self):
         """Let go of the message's out-of-band buffers (the caller's memory)."""
@@ -198,5 +404,5 @@ cdef class PickleSink:
 
     @property
     def nbytes(self):
-        """Bytes of the pickle stream in the buffer."""
-        return self.size
+        """Bytes of the pickle stream (the buffer's and the spans')."""
+        return self.size + self.span_bytes

@@ -425,17 +425,17 @@ class QueueWriter:
                 # deadline covers the wait for each chunk and the flush.
                 until = _overflow.deadline(timeout)
                 self._wait_turn(timeout)
-                frames = encoder.sink.frames()
-                parts = _parts.cut(frames, _parts.part_payload(
+                sink = encoder.sink
+                cut = _parts.cut(*sink.stream(), _parts.part_payload(
                     ring.max_chunk_bytes, PART_HEAD_BYTES)) if self._parts_on else None
                 # Parts when the writer cannot be held up by a reader busy
                 # elsewhere: they fit the free chunks, or every reader is
                 # waiting for them (and takes each as it comes).
-                if parts is not None and (len(parts) <= ring.free_chunks()
-                                          or ring.readers_waiting()):
-                    self._send_parts(frames, parts, until)
+                if cut is not None and (len(cut[0]) <= ring.free_chunks()
+                                        or ring.readers_waiting()):
+                    self._send_parts(*cut, until)
                 else:
-                    self._send_overflow(frames, until)
+                    self._send_overflow(sink.frames(encoder.pool), until)
                 if self._commit_arena is not None:
                     self._commit_arena()
         except BaseException:
@@ -484,7 +484,7 @@ class QueueWriter:
         stats.overflow_messages += 1
         stats.overflow_bytes += _nbytes(buffers)
 
-    def _send_parts(self, frames: list, parts: list, until: float | None) -> None:
+    def _send_parts(self, parts: list, total: int, until: float | None) -> None:
         """A message too big for a chunk, node-local readers only, in parts
         (``fastmq._parts``) through consecutive chunks; the first chunk's
         turn has come.  Delivered once the last part is out; an exception
@@ -492,7 +492,6 @@ class QueueWriter:
         memory running out) leaves ``_parts_open`` set, and the next
         message first tells the readers to drop what they have of it."""
         ring = self.ring
-        total = _parts.stream_length(frames)
         for index, (pieces, offset) in enumerate(parts):
             if index:
                 self._wait_turn(_overflow.remaining(until))

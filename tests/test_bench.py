@@ -80,7 +80,7 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
                  "fastmq-remote-both+plain"} | remote,
         "throughput": {"fastmq-futex"},
         "tensor": {"fastmq-futex+arena", "fastmq-futex", "floor", "fastmq-futex+bytes",
-                   "fastmq-remote+bytes"} | remote,
+                   "fastmq-remote+bytes", "fastmq-futex+list", "fastmq-remote+list"} | remote,
         "wake": {"fastmq-futex", "floor-futex", "floor-pipe"},
     }
     if HAVE_VLLM:
@@ -89,7 +89,8 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
             expected[s] |= {"vllm"}
         expected["step"] |= {"vllm-remote", "vllm-remote-both"}
         expected["tensor"] |= {"vllm", "vllm+arena", "vllm-remote", "vllm-remote-both",
-                               "vllm+bytes", "vllm-remote+bytes"}
+                               "vllm+bytes", "vllm-remote+bytes", "vllm+list",
+                               "vllm-remote+list"}
     else:  # said so, not silently dropped
         assert any("vllm" in n and "not measured" in n for n in data["notes"])
     for s, names in expected.items():
@@ -358,7 +359,8 @@ def test_list_names_every_implementation(capsys):
                           "fastmq-remote-both+plain", "vllm", "vllm+arena", "vllm-remote",
                           "vllm-remote-both", "floor", "floor-futex", "floor-pipe",
                           "fastmq-futex+bytes", "vllm+bytes", "fastmq-remote+bytes",
-                          "vllm-remote+bytes"}
+                          "vllm-remote+bytes", "fastmq-futex+list", "vllm+list",
+                          "fastmq-remote+list", "vllm-remote+list"}
     assert lines["fastmq-futex"].endswith("; step, wake; yes")
     assert lines["floor-pipe"].endswith("; wake; yes")
     assert lines["vllm"].endswith("; not selected; not checked")

@@ -163,11 +163,17 @@ def test_the_sink_shrinks_after_a_huge_stream():
     sink = PickleSink()
     p = pickle.Pickler(sink, protocol=5, buffer_callback=sink.on_buffer)
     sink.expect(copyreg.dispatch_table, False, sys.modules)
-    big = "b" * (3 << 20)                 # a str: always in band
+    big = "b" * (3 << 20)                 # a str: always in band (kept by reference)
     stream, = sink.dump(p, big)
     assert pickle.loads(stream) == big and sink.nbytes == len(stream)
-    stream, = sink.dump(p, ("small", 1))
-    assert pickle.loads(stream) == ("small", 1)
+    many = [f"{i:08d}" * 100 for i in range(5000)]    # 4 MiB through the buffer
+    for _ in range(2):                    # back to back: the buffer is kept
+        stream, = sink.dump(p, many)
+        assert pickle.loads(stream) == many and sink.cap >= 4 << 20
+    stream, = sink.dump(p, ("small", 1))  # started after a big one: still kept
+    assert pickle.loads(stream) == ("small", 1) and sink.cap >= 4 << 20
+    sink.dump(p, ("small", 2))            # started after a small one: shrunk
+    assert sink.cap == 1 << 20
     # Out-of-band: a large buffer travels beside the stream, a small one in it.
     stream, *oob = sink.dump(p, [pickle.PickleBuffer(b"s" * 10),
                                  pickle.PickleBuffer(bytearray(2 << 20))])

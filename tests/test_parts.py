@@ -299,7 +299,9 @@ def test_writer_killed_between_parts(procs, spawn_ctx):
     dict(length=4, payload=b"\x01\x00\x00\x00"),               # no room for a head
     dict(total=1 << 40, length=16, payload=_head(1 << 59)[:16]),   # absurd count
     dict(total=40, length=40, payload=_head(10, 10) + b"\x00" * 16),   # wrong sum
-], ids=["chunk", "stream", "orphan", "short-head", "count", "sum"])
+    dict(total=40, length=40, payload=_head(4, 3 << 62 | 12) + b"\x00" * 16),  # kind
+    dict(total=40, length=40, payload=_head(1 << 62 | 4, 12) + b"\x00" * 16),  # stream kind
+], ids=["chunk", "stream", "orphan", "short-head", "count", "sum", "kind", "stream-kind"])
 def test_parts_that_lie_raise_and_the_queue_stays_usable(part):
     w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=4, enable_shm_tensor_arena=False)
     _raw_part(w, **part)
@@ -326,3 +328,68 @@ def test_a_message_larger_than_the_host_is_refused_before_any_allocation():
     w.enqueue(("after", 1), timeout=5)
     assert r.dequeue(timeout=5) == ("after", 1)
     assert r._end._parts is None
+
+
+def test_large_in_band_bytes_reach_the_reader_as_their_own_objects():
+    # A large bytes or bytearray pickled in band leaves the pickle stream
+    # for the parts (fastmq._sink): the reader gets objects of the same
+    # type and content, a repeated one once, next to out-of-band arrays in
+    # their order; a message that fits a chunk after all keeps it in band.
+    w, (r,) = local_pair(max_chunk_bytes=8 << 20, max_chunks=8, enable_shm_tensor_arena=False)
+    big = bytes(range(256)) * (12 << 12)                  # 12 MiB
+    ba = bytearray(b"\x5a" * (3 << 20) + b"end")
+    arr = np.arange(1 << 18, dtype=np.int64)              # 2 MiB out of band
+    msg = ("x", big, ba, arr, big, b"small", [ba])
+    w.enqueue(msg, timeout=10)
+    got = r.dequeue(timeout=10)
+    assert got[0] == "x" and got[5] == b"small"
+    assert type(got[1]) is bytes and got[1] == big and got[4] is got[1]
+    assert type(got[2]) is bytearray and got[2] == ba and got[6][0] is got[2]
+    assert np.array_equal(got[3], arr)
+    got[2][0] = 0                                         # its own, writable memory
+    assert ba[0] == 0x5a
+    fits = (b"\x01" * (2 << 20), bytearray(b"\x02" * (1 << 20)))
+    w.enqueue(fits, timeout=10)
+    assert r.dequeue(timeout=10) == fits
+    st = w.stats()
+    assert (st["parts_messages"], st["ring_messages"], st["overflow_messages"]) == (1, 1, 0)
+
+
+def test_the_sink_keeps_large_in_band_payloads_by_reference():
+    import pickle
+
+    from fastmq._parts import cut
+    from fastmq._sink import KIND_BUFFER, KIND_BYTEARRAY, KIND_BYTES
+
+    w, (r,) = local_pair(max_chunk_bytes=1 << 20, max_chunks=4, enable_shm_tensor_arena=False)
+    ring, enc = w._ring, w._end.encoder
+    sink = enc.sink
+    big, ba, text = b"\x07" * (2 << 20), bytearray(3 << 20), "t" * (2 << 20)
+    arr = np.ones(4 << 20, dtype=np.uint8)
+    obj = [big, arr, ba, text]
+    # Too big for a chunk: the message stays in the sink, nothing copied.
+    assert ring.send_object(obj, enc.pickler, sink, 1) == 0
+    # frames(): the stream gathered as pickle writes it, out-of-band after.
+    stream, oob = sink.frames()
+    assert sink.nbytes == len(stream)
+    got = pickle.loads(stream, buffers=[oob])
+    assert got[0] == big and np.array_equal(got[1], arr) and got[2:] == [ba, text]
+    # stream(): bytes and bytearray leave the stream, in the order the
+    # unpickler takes its buffers, as the caller's own objects; a str (no
+    # such opcode) stays in it, also by reference.
+    pieces, oob, kinds = sink.stream()
+    assert oob[0] is big and oob[2] is ba and memoryview(oob[1]).nbytes == 4 << 20
+    assert kinds == [KIND_BYTES, KIND_BUFFER, KIND_BYTEARRAY]
+    assert [n for buf, _, n in pieces if buf is not sink and n > 1] == [len(text)]
+    main = b"".join(bytes(memoryview(buf)[a:a + n]) for buf, a, n in pieces)
+    got = pickle.loads(main, buffers=oob)
+    assert got[0] is big and got[2] is ba and got[3] == text
+    parts, total = cut(pieces, oob, kinds, 1 << 20)
+    assert total == 8 * (1 + 4) + len(main) + sum(memoryview(o).nbytes for o in oob)
+    # A bytearray that changed size since it was pickled is named, not sent.
+    ba.extend(b"more")
+    with pytest.raises(BufferError, match="changed size"):
+        sink.frames()
+    sink.clear()
+    w.enqueue(("after", 1), timeout=5)
+    assert r.dequeue(timeout=5) == ("after", 1)

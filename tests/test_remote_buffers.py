@@ -123,10 +123,28 @@ def test_keeping_no_buffers_is_a_setting(monkeypatch):
 
 
 def test_a_bad_setting_is_named(monkeypatch):
-    monkeypatch.setenv("FASTMQ_REMOTE_BUFFERS_MB", "lots")
     w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    monkeypatch.setenv("FASTMQ_REMOTE_BUFFERS_MB", "lots")
     try:
         with pytest.raises(ValueError, match="FASTMQ_REMOTE_BUFFERS_MB"):
             MessageQueue.create_from_handle(w.export_handle(), 0)
+        # A writer keeps such memory too (large streams it sends).
+        with pytest.raises(ValueError, match="FASTMQ_REMOTE_BUFFERS_MB"):
+            MessageQueue(1, 0, connect_ip="127.0.0.1")
     finally:
+        w.shutdown()
+
+
+def test_a_writer_sends_large_in_band_streams_from_reused_memory():
+    # Remote readers: a large in-band stream is gathered into memory that
+    # the last one gave back once it was sent, not into fresh pages.
+    w, r = _remote_pair()
+    try:
+        for i in range(4):
+            msg = [bytes([i]) * 1000 + str(k).encode() for k in range(3000)]
+            w.enqueue(msg)
+            assert r.dequeue(timeout=10) == msg
+        assert w._end.encoder.pool.reused >= 3
+    finally:
+        r.shutdown()
         w.shutdown()

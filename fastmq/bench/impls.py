@@ -8,6 +8,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 
 REMOTE_IP = "127.0.0.1"
+# The items of the +list rows' list: a large list of small in-band objects.
+LIST_ITEM = 1024
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,9 @@ class Impl:
     arena: bool = False
     remote: str = ""            # "" | "readers" | "both"
     remote_kwargs: dict = field(default_factory=dict)  # fastmq's security
-    payload: str = "tensor"     # tensor: a torch tensor; bytes: the same bytes in-band
+    # tensor: a torch tensor; bytes: the same bytes in-band; list: the same bytes
+    # in-band as a list of LIST_ITEM-byte bytes objects
+    payload: str = "tensor"
 
     @property
     def spin_s(self) -> float:
@@ -81,11 +85,11 @@ IMPLS: dict[str, Impl] = {i.name: i for i in [
         *[Impl(f"fastmq{suffix}{tag}", "fastmq", f"fastmq, {what}; {security}",
                remote=shape, remote_kwargs=kwargs) for tag, kwargs, security in _SECURITY],
         Impl(f"vllm{suffix}", "vllm", f"vLLM 0.33.0 MessageQueue, {what}", remote=shape)]],
-    *[Impl(name, name.split("-")[0], f"{name.split('+')[0]}, the tensor's bytes as one bytes "
-           "object (pickled in-band)", remote="readers" if "remote" in name else "",
-           payload="bytes")
-      for name in ("fastmq-futex+bytes", "vllm+bytes", "fastmq-remote+bytes",
-                   "vllm-remote+bytes")],
+    *[Impl(f"{base}+{kind}", base.split("-")[0], f"{base}, {what} (pickled in-band)",
+           remote="readers" if "remote" in base else "", payload=kind)
+      for kind, what in (("bytes", "the tensor's bytes as one bytes object"),
+                         ("list", f"the tensor's bytes as a list of {LIST_ITEM} B bytes objects"))
+      for base in ("fastmq-futex", "vllm", "fastmq-remote", "vllm-remote")],
     Impl("floor", "floor", "floor: bare shared memory, no queue (see the notes)"),
     Impl("floor-futex", "floor", "floor: a C reader parked in FUTEX_WAIT, woken by a C "
          "writer that slept as long"),

@@ -24,7 +24,8 @@ def _notes(rs, records) -> list[str]:
             "ring's free chunks when they hold it (8 MiB parts: up to 80 MiB in the default "
             "ring), else, as vLLM always does, over the overflow path (the chunk marks the "
             "message, the payload goes over the ipc socket); +bytes: the same bytes as one "
-            "bytes object, pickled in-band (no out-of-band buffer, no arena).",
+            "bytes object, pickled in-band (no out-of-band buffer, no arena); +list: the same "
+            f"bytes as a list of {impls_mod.LIST_ITEM}-byte bytes objects, pickled in-band.",
             *impls_mod.remote_notes(names),
             *(["floor: one single-threaded memcpy into a pre-faulted shared segment plus "
                "every reader's read of every byte."] if "floor" in names else []),
@@ -39,7 +40,9 @@ _PATHS = (("arena", "fastmq-futex+arena", "vllm+arena"), ("arena off", "fastmq-f
           ("remote (TCP), +plain", "fastmq-remote+plain", "vllm-remote"),
           ("remote both ways", "fastmq-remote-both", "vllm-remote-both"),
           ("in-band bytes", "fastmq-futex+bytes", "vllm+bytes"),
-          ("in-band bytes, remote (TCP)", "fastmq-remote+bytes", "vllm-remote+bytes"))
+          ("in-band bytes, remote (TCP)", "fastmq-remote+bytes", "vllm-remote+bytes"),
+          ("in-band list", "fastmq-futex+list", "vllm+list"),
+          ("in-band list, remote (TCP)", "fastmq-remote+list", "vllm-remote+list"))
 
 SPEC = Scenario(
     NAME, "tensor: CPU tensor broadcast, every reader reads every byte; milliseconds per "
@@ -49,7 +52,9 @@ SPEC = Scenario(
     rows={"fastmq-futex+arena": "vllm+arena", "vllm+arena": None, "fastmq-futex": "vllm",
           "vllm": None, **{k: v for k, v in impls_mod.REMOTE_ROWS.items() if "-both+" not in k},
           "fastmq-futex+bytes": "vllm+bytes", "vllm+bytes": None,
-          "fastmq-remote+bytes": "vllm-remote+bytes", "vllm-remote+bytes": None, "floor": "vllm"},
+          "fastmq-remote+bytes": "vllm-remote+bytes", "vllm-remote+bytes": None,
+          "fastmq-futex+list": "vllm+list", "vllm+list": None,
+          "fastmq-remote+list": "vllm-remote+list", "vllm-remote+list": None, "floor": "vllm"},
     columns=(("{p50} ms", lambda r: num(r["p50"])), ("runs' p50", spread),
              ("min ms", lambda r: num(r["min"])), ("max ms", lambda r: num(r["max"])),
              ("GB/s", lambda r: num(r["size_bytes"] / r["p50"] / 1e6 if r["p50"] else None)),
@@ -101,8 +106,7 @@ def run(env, impls, params, progress) -> list[dict]:
                     seq += 1
                     t[0], t[-1] = seq, n_elem - 1 + seq
                     total = tensor_expected(n_elem, seq)
-                    msg, copy_ns = put(t) if floor else (
-                        t.numpy().tobytes() if g.impl.payload == "bytes" else t, 0)
+                    msg, copy_ns = put(t) if floor else (_payload(t, g.impl.payload), 0)
                     dt, acks = g.round_trip(("tensor", seq, msg), free=2)
                     dt += copy_ns  # the floor's one copy is part of its time
                     for r, a in enumerate(acks):
@@ -124,6 +128,17 @@ def run(env, impls, params, progress) -> list[dict]:
         return [dict(r, held_mib=None if floor else held_bytes(g.mq)["total"] / MiB) for r in out]
 
     return groups(env, impls, params, progress, NAME, measure)
+
+
+def _payload(t, kind: str):
+    """The message body of an implementation's payload kind (built untimed)."""
+    if kind == "tensor":
+        return t
+    data = t.numpy().tobytes()
+    if kind == "bytes":
+        return data
+    step = impls_mod.LIST_ITEM
+    return [data[i:i + step] for i in range(0, len(data), step)]
 
 
 @contextmanager
@@ -152,7 +167,9 @@ def _answer(seq, t, _):
 
     if type(t) is tuple:  # the floor: zero copy, the segment itself
         t = torch.frombuffer(attached(t[1]), dtype=torch.int64, count=t[2]).view(t[3])
-    elif isinstance(t, bytes):  # the in-band rows (read-only: no tensor over it)
+    elif isinstance(t, (bytes, list)):  # the in-band rows (read-only: no tensor over it)
+        if isinstance(t, list):
+            t = b"".join(t)
         return int(np.frombuffer(t, dtype=np.uint64).sum(dtype=np.uint64)), len(t)
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
         raise VerifyError(f"message {seq}: expected an int64 tensor, received "
