@@ -128,7 +128,9 @@ class LocalReader(_ReaderEnd):
         self._overflow_seen = 0      # id of the last overflow payload received
         self._overflow_ahead = None  # a payload received before its mark
         self._parts = None           # a message arriving in parts (fastmq._parts)
-        self._part_buffers = None    # memory kept for the next one (a BufferPool)
+        # Memory kept for the next large message (its parts, or its
+        # out-of-band buffers copied out of a chunk), once the last is dropped.
+        self._part_buffers = BufferPool(_config.remote_buffers_bytes())
         self._cancel_send = None
         self.buffer = None
         context = zmq.Context()
@@ -137,6 +139,7 @@ class LocalReader(_ReaderEnd):
             self.buffer = ShmRingBuffer(bh.n_reader, bh.max_chunk_bytes, bh.max_chunks, bh.name)
             self.ring = ring = self.buffer.attach_reader(self.local_reader_rank)
             ring.warn_interval = _config.warning_interval()
+            ring.buffers = self._part_buffers
             holder = ring.claim_reader(*_proc.me())
             if holder:
                 raise RuntimeError(
@@ -361,8 +364,6 @@ class LocalReader(_ReaderEnd):
                         raise CorruptChunkError(
                             f"fastmq ring chunk {idx}: a message's parts start again before "
                             f"its part {asm.next_index}")
-                    if self._part_buffers is None:
-                        self._part_buffers = BufferPool(_config.remote_buffers_bytes())
                     asm = self._parts = _parts.Assembly(total, self._part_buffers)
                 elif asm is None:
                     raise CorruptChunkError(f"fastmq ring chunk {idx}: part {index} of a "

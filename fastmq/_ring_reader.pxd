@@ -12,6 +12,9 @@ cdef class RingReader(RingEnd):
     # This end holds its reader slot (claim_reader) with this claim word.
     cdef bint claimed
     cdef uint64_t claim
+    # Where out-of-band buffers of POOLED_MIN bytes and more are copied to
+    # (a fastmq._recv_buffers.BufferPool), or None: fresh bytearrays.
+    cdef public object buffers
 
     cdef inline bint readable(self, int idx) noexcept nogil
     cdef inline bint closed_by_writer(self) noexcept
