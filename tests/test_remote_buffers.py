@@ -1,6 +1,6 @@
-"""A remote reader's receive buffers for large frames: memory a dropped
-tensor gave back is reused for the next frame, and never while the caller
-can still see it."""
+"""A reader's buffers for large frames (remote, in parts, copied out of a
+chunk): memory a dropped tensor gave back is reused for the next frame, and
+never while the caller can still see it."""
 from __future__ import annotations
 
 import ctypes
@@ -148,3 +148,30 @@ def test_a_writer_sends_large_in_band_streams_from_reused_memory():
     finally:
         r.shutdown()
         w.shutdown()
+
+
+def test_a_local_reader_copies_large_buffers_out_of_a_chunk_into_reused_memory():
+    # A message that fits a chunk: its out-of-band buffers of 1 MiB and more
+    # are copied into the reader's pool, reused once dropped, never while held.
+    w, (r,) = local_pair(max_chunk_bytes=8 * MiB, max_chunks=4, enable_shm_tensor_arena=False)
+    pool = r._end._part_buffers
+    held = []
+    for i in range(3):
+        w.enqueue(_tensor(i), timeout=10)
+        held.append(r.dequeue(timeout=10))
+    assert pool.reused == 0 and w.stats()["ring_messages"] == 3
+    addrs = {t.data_ptr() for t in held}
+    assert len(addrs) == 3
+    for i, t in enumerate(held):
+        assert torch.equal(t, _tensor(i))
+    del held, t
+    gc.collect()
+    for i in range(3, 6):
+        w.enqueue(_tensor(i), timeout=10)
+        got = r.dequeue(timeout=10)
+        assert torch.equal(got, _tensor(i))
+        del got
+    assert pool.reused >= 3
+    small = np.arange(1000)             # below 1 MiB: its own bytearray, as before
+    w.enqueue(small, timeout=10)
+    assert np.array_equal(r.dequeue(timeout=10), small) and pool.reused >= 3
