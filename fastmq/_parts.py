@@ -1,10 +1,15 @@
-"""A message too big for a ring chunk, through the ring itself: the
-writer's cut into parts and a reader's reassembly (chunk layout:
-fastmq/_ring.pyx).  Used when every reader is on the writer's node and
-either the message's parts fit the chunks free when it is sent, or every
-reader is waiting for the next chunk; otherwise (remote readers, a reader
-busy elsewhere with the free ring too small) the payload takes the
-overflow socket (fastmq._overflow).
+"""A large message through the ring's chunks in parts: the writer's cut
+and a reader's reassembly (chunk layout: fastmq/_ring.pyx).  Used for a
+message too big for a chunk, and for one of PARTS_MIN bytes or more that
+would fit one, when every reader is on the writer's node and either the
+parts fit the chunks free when it is sent, or every reader is waiting for
+the next chunk.  Otherwise a message that fits a chunk takes one, and a
+larger one the overflow socket (fastmq._overflow): remote readers, or a
+reader busy elsewhere with the free ring too small.
+
+Why parts for a message that fits a chunk: its reader copies part k out
+while the writer copies part k+1 in, so the two copies overlap instead of
+following each other (a 16 MiB tensor to one reader: about half the time).
 
 Why the ring and not the socket: a socket moves the payload twice through
 the kernel (into the socket buffer, out into a fresh allocation per reader)
@@ -25,23 +30,31 @@ A buffer's kind says what the reader copies it into: memory of its own
 or ``bytearray`` that the unpickler takes as the object itself (a large
 in-band payload the writer moved out of the stream, fastmq._sink).
 
-cut into parts of at most PART_BYTES (or a chunk); its head (the lengths)
-lies in part 0.
+cut into parts of equal size, each at most PART_BYTES (or a chunk; or
+PART_BYTES_MAX where readers are busy and the free chunks few); its head
+(the lengths) lies in part 0.
 """
 from __future__ import annotations
 
 import struct
 
 from fastmq._recv_buffers import fresh_bytearray, fresh_bytes
-from fastmq._ring import CorruptChunkError
+from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
 from fastmq._segment import memory_available
 from fastmq._sink import KIND_BUFFER, KIND_BYTEARRAY, KIND_BYTES
 
-# Bytes per part (with its header), at most a chunk: a large message then
-# reserves at most this much of each chunk it passes through (80 MiB of
-# vLLM's 10 x 24 MiB ring, not all of it), and a message of up to a ring's
-# worth of parts (80 MiB there) goes through the ring.
-PART_BYTES = 8 << 20
+# Bytes per part (with its header), at most a chunk: small enough that the
+# readers' copy of one part overlaps the writer's copy of the next from a few
+# MiB up, large enough that the handover per part is noise.  When readers
+# are busy elsewhere and that many parts would not fit the free chunks, the
+# parts grow up to PART_BYTES_MAX: a large message reserves at most that
+# much of each chunk it passes through (80 MiB of vLLM's 10 x 24 MiB ring,
+# not all of it), and a message of up to a ring's worth of them goes through
+# the ring while readers are busy; any size while they wait for it.
+PART_BYTES = 4 << 20
+PART_BYTES_MAX = 8 << 20
+# Framed messages from this size up go in parts even when they fit a chunk.
+PARTS_MIN = 4 << 20
 # Reassembly buffers at least this large come from the reader's pool of
 # reused memory; smaller ones are plain bytearrays.
 POOLED_MIN = 1 << 20
@@ -54,9 +67,16 @@ KIND_SHIFT = 62
 _LENGTH_MASK = (1 << KIND_SHIFT) - 1
 
 
-def part_payload(max_chunk_bytes: int, part_head: int) -> int:
-    """The payload of one part in a ring of ``max_chunk_bytes`` chunks."""
-    return min(PART_BYTES, max_chunk_bytes) - part_head
+def cut_to_fit(stream: list, oob: list, kinds: list, max_chunk_bytes: int,
+               free: int | None) -> tuple[list, int] | None:
+    """``cut()`` into parts of PART_BYTES, or larger ones up to
+    PART_BYTES_MAX when more than ``free`` chunks would be needed (None: no
+    limit, every reader is waiting for the parts).  None when no cut fits."""
+    for size in (PART_BYTES, PART_BYTES_MAX):
+        parts = cut(stream, oob, kinds, min(size, max_chunk_bytes) - PART_HEAD_BYTES)
+        if parts is None or free is None or len(parts[0]) <= free:
+            return parts
+    return None
 
 
 def cut(stream: list, oob: list, kinds: list, payload: int) -> tuple[list, int] | None:
@@ -70,6 +90,10 @@ def cut(stream: list, oob: list, kinds: list, payload: int) -> tuple[list, int] 
     head = struct.pack(f"<{1 + len(words)}Q", len(words), *words)
     if len(head) > payload:
         return None
+    # Equal parts (the last one is not a sliver that the readers wait for
+    # alone), the head still whole in part 0.
+    total = len(head) + sum(lens)
+    payload = max(-(-total // -(-total // payload)), len(head))
     parts, pieces, room, offset = [], [], payload, 0
     for buf, first, size in ((head, 0, len(head)), *stream,
                              *((f, 0, n) for f, n in zip(oob, lens[1:]))):
@@ -85,7 +109,7 @@ def cut(stream: list, oob: list, kinds: list, payload: int) -> tuple[list, int] 
                 pieces, room = [], payload
     if pieces:
         parts.append((pieces, offset))
-    return parts, len(head) + sum(lens)
+    return parts, total
 
 
 class Assembly:

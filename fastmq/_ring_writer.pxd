@@ -16,6 +16,9 @@ cdef class RingWriter(RingEnd):
     # Messages and framed bytes send_object() / send_pickled() published.
     cdef readonly uint64_t sent_messages
     cdef readonly uint64_t sent_bytes
+    # Messages framed to at least this many bytes are left to the caller
+    # (send_sink returns 0) to go in parts, though they fit a chunk.
+    cdef public Py_ssize_t parts_min
     # Bytes of each chunk reserved so far.
     cdef Py_ssize_t *reserved
 
@@ -27,5 +30,5 @@ cdef class RingWriter(RingEnd):
     cdef Py_ssize_t frame_and_publish(self, Py_ssize_t n, const char **ptrs,
                                       Py_ssize_t *lens, object timeout,
                                       bint committed) except -1000
-    cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout) except -1000
+    cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout, bint whole) except -1000
     cdef inline int _check_turn(self, int idx) except -1

@@ -20,6 +20,7 @@ of a fault or the OOM killer.  So a ring holds what its messages reached,
 as vLLM's does, not its whole size.
 """
 from cpython.buffer cimport PyBUF_SIMPLE, PyObject_GetBuffer, PyBuffer_Release
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
@@ -72,6 +73,7 @@ cdef class RingWriter(RingEnd):
     def __cinit__(self):
         self.reserved = NULL
         self.dead_rank = -1
+        self.parts_min = PY_SSIZE_T_MAX
 
     def __dealloc__(self):
         free(self.reserved)
@@ -372,14 +374,14 @@ cdef class RingWriter(RingEnd):
             return -ST_PICKLER_STALE
         try:
             sink.pickle(pickler, obj)
-            return self.send_sink(sink, timeout)
+            return self.send_sink(sink, timeout, False)
         except BaseException:
             # Nothing was published (the publish is the last step and
             # cannot fail): the message's arena slots are free again.
             sink.aborted()
             raise
 
-    def send_pickled(self, PickleSink sink, timeout=None):
+    def send_pickled(self, PickleSink sink, timeout=None, bint whole=False):
         """Frame the message pickled into ``sink`` into the next chunk and
         publish it (as ``send``); then ``sink``'s arena commit runs and the
         sink lets go of the message's out-of-band buffers.  Returns the
@@ -389,16 +391,16 @@ cdef class RingWriter(RingEnd):
         ``READY``, then call this again."""
         self._check_open()
         try:
-            return self.send_sink(sink, timeout)
+            return self.send_sink(sink, timeout, whole)
         except BaseException:
             sink.aborted()
             raise
 
-    cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout) except -1000:
+    cdef Py_ssize_t send_sink(self, PickleSink sink, object timeout, bint whole) except -1000:
         if not sink.holding:
             raise RuntimeError("fastmq: no pickled message in the sink")
         cdef list oob = sink.oob
-        cdef Py_ssize_t n = 1 + len(oob), i, got = 1, sent
+        cdef Py_ssize_t n = 1 + len(oob), i, got = 1, sent, framed
         cdef Py_buffer fixed_views[4]
         cdef const char *fixed_ptrs[5]
         cdef Py_ssize_t fixed_lens[5]
@@ -418,7 +420,8 @@ cdef class RingWriter(RingEnd):
                 got += 1
                 ptrs[i] = <const char *>views[i - 1].buf
                 lens[i] = views[i - 1].len
-            if _framed_size(n, lens) > self.max_chunk_bytes:
+            framed = _framed_size(n, lens)
+            if framed > self.max_chunk_bytes or (framed >= self.parts_min and not whole):
                 sent = 0    # the overflow path or parts: the spans stay where they are
             else:
                 # A message with large in-band payloads that fits a chunk

@@ -87,7 +87,7 @@ class Seal:
         self.encrypting = security == "encrypt"
         self.key = key
         if security == "none":
-            self._aead = self._gmac = None
+            self._aead = self._gmac = self._decrypt_into = None
             return
         try:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -96,6 +96,7 @@ class Seal:
                 f"fastmq: remote security {security!r} needs the 'cryptography' package "
                 "(pip install cryptography)") from e
         self._aead = AESGCM(key)
+        self._decrypt_into = getattr(self._aead, "decrypt_into", None)
         # Small parts' tags with the key's state kept (fastmq._gmac); where
         # no libcrypto loads, every tag comes through cryptography.
         self._gmac = Gmac(key) if gmac_available() else None
@@ -170,9 +171,16 @@ class Seal:
 
     def decrypt_into(self, counter: int, index: int, wire, out: memoryview) -> bool:
         """``"encrypt"``: check ``wire`` (ciphertext and tag) and leave the
-        plaintext in ``out``; False (``out`` untouched) if it does not check."""
+        plaintext in ``out``; False if it does not check (then ``out`` holds
+        nothing to use: the caller drops it).  Straight into ``out`` where
+        ``cryptography`` can (46 and later): the plaintext in a fresh
+        ``bytes`` first, then copied, costs several times the decryption."""
+        nonce = _NONCE.pack(counter, index)
         try:
-            out[:] = self._aead.decrypt(_NONCE.pack(counter, index), wire, None)
+            if self._decrypt_into is not None:
+                self._decrypt_into(nonce, wire, None, out)
+            else:
+                out[:] = self._aead.decrypt(nonce, wire, None)
         except InvalidTag:
             return False
         return True

@@ -19,7 +19,7 @@ import zmq
 
 from fastmq import (_config, _fanout, _keys, _net, _overflow, _parts, _seal, _subscribers,
                     _wire)
-from fastmq._ring import (LONG_WAIT, PART_HEAD_BYTES, PICKLER_STALE, READER_DIED, READY,
+from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY,
                           WAIT_ZMQ)
 from fastmq._serde import Encoder
 from fastmq.handle import BufferHandle, Handle
@@ -145,6 +145,10 @@ class QueueWriter:
                                     wait_mode=wait_mode, spin_us=spin_us)
         self.ring = ring = self.buffer.ring
         ring.warn_interval = _config.warning_interval()
+        if self._parts_on:
+            # A message this large goes in parts even when it fits a chunk:
+            # readers copy one part out while the writer copies the next in.
+            ring.parts_min = _parts.PARTS_MIN
         self.local_socket = context.socket(zmq.XPUB)
         sockets.append(self.local_socket)
         # Every (un)subscription, so that the handshake counts the readers
@@ -406,8 +410,9 @@ class QueueWriter:
 
     def _send_local_slow(self, obj: Any, framed: int, timeout: float | None) -> None:
         """What ``ring.send_object`` left to do, with nothing published yet:
-        rebuild a stale pickler, act on a wait status, or send a message too
-        big for a chunk over the overflow socket."""
+        rebuild a stale pickler, act on a wait status, or send a message of
+        ``PARTS_MIN`` or more in parts, in one chunk or over the overflow
+        socket."""
         ring = self.ring
         encoder = self.encoder
         published = ring.n_published
@@ -421,20 +426,23 @@ class QueueWriter:
                 self._keep_waiting(-framed)
                 framed = ring.send_pickled(encoder.sink, timeout)
             if framed == 0:
-                # Too big for a chunk (send waited for nothing): one
-                # deadline covers the wait for each chunk and the flush.
+                # Too big for a chunk, or large enough for parts (send
+                # waited for nothing): one deadline covers the wait for
+                # each chunk and the flush.
                 until = _overflow.deadline(timeout)
                 self._wait_turn(timeout)
                 sink = encoder.sink
-                cut = _parts.cut(*sink.stream(), _parts.part_payload(
-                    ring.max_chunk_bytes, PART_HEAD_BYTES)) if self._parts_on else None
                 # Parts when the writer cannot be held up by a reader busy
                 # elsewhere: they fit the free chunks, or every reader is
-                # waiting for them (and takes each as it comes).
-                if cut is not None and (len(cut[0]) <= ring.free_chunks()
-                                        or ring.readers_waiting()):
+                # waiting for them (and takes each as it comes).  Else one
+                # chunk if it fits, else the socket.
+                cut = _parts.cut_to_fit(
+                    *sink.stream(), ring.max_chunk_bytes,
+                    None if ring.readers_waiting() else ring.free_chunks()
+                ) if self._parts_on else None
+                if cut is not None:
                     self._send_parts(*cut, until)
-                else:
+                elif not self._send_whole(sink, until):
                     self._send_overflow(sink.frames(encoder.pool), until)
                 if self._commit_arena is not None:
                     self._commit_arena()
@@ -446,6 +454,17 @@ class QueueWriter:
         finally:
             # The message's out-of-band buffers are the caller's memory.
             encoder.sink.clear()
+
+    def _send_whole(self, sink, until: float | None) -> bool:
+        """A message that fits a chunk but was held back for parts, which
+        would have had to wait for a reader busy elsewhere: in one chunk
+        after all.  False when it does not fit one."""
+        ring = self.ring
+        framed = ring.send_pickled(sink, _overflow.remaining(until), True)
+        while framed < 0:
+            self._keep_waiting(-framed)
+            framed = ring.send_pickled(sink, _overflow.remaining(until), True)
+        return framed > 0
 
     def _settle_arena(self, published: int) -> None:
         """After a failed enqueue(): the slots of a message whose chunk is

@@ -17,7 +17,7 @@ import torch
 from _parts_children import big_message, partial_writer_main
 from _queues import local_pair
 from fastmq import MessageQueue
-from fastmq._parts import PART_BYTES
+from fastmq._parts import PART_BYTES, PART_BYTES_MAX, PARTS_MIN
 from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
 
 CHUNK = 1 << 16                      # 64 KiB chunks: a 1 MiB message is 17 parts
@@ -122,8 +122,74 @@ def test_a_larger_message_streams_through_the_ring_to_waiting_readers():
     assert w.stats()["overflow_messages"] == 1
 
 
+def test_a_large_message_that_fits_a_chunk_goes_in_equal_parts():
+    # 24 MiB chunks: a 12 MiB tensor fits one, but from PARTS_MIN up it goes
+    # in parts (the reader copies one out while the writer copies the next
+    # in), cut in equal parts of at most PART_BYTES; a small message after
+    # it still takes one chunk.
+    w, (r,) = local_pair(max_chunk_bytes=24 << 20, max_chunks=8,
+                         enable_shm_tensor_arena=False)
+    msg = torch.arange(3 << 20, dtype=torch.int32)      # 12 MiB, out of band
+    w.enqueue(msg, timeout=10)
+    w.enqueue(("small", 2), timeout=10)
+    assert torch.equal(r.dequeue(timeout=10), msg)
+    assert r.dequeue(timeout=10) == ("small", 2)
+    st = w.stats()
+    assert (st["parts_messages"], st["ring_messages"], st["overflow_messages"]) == (1, 1, 0)
+    assert 12 << 20 < st["parts_bytes"] < (12 << 20) + 4096
+    ring = w._end.ring
+    assert ring.parts_min == PARTS_MIN
+    # Four parts of the same size (the last no sliver): the stream is just
+    # over 12 MiB, so four of at most PART_BYTES each.
+    assert ring.n_published == 5
+
+
+def test_cut_makes_equal_parts_with_the_head_in_the_first():
+    from fastmq._parts import cut
+    from fastmq._sink import KIND_BUFFER
+    stream = [(b"s" * 100, 0, 100)]
+    oob = [bytearray(4 * PAYLOAD)]
+    parts, total = cut(stream, oob, [KIND_BUFFER], PAYLOAD)
+    sizes = [sum(n for _, _, n in pieces) for pieces, _ in parts]
+    assert len(parts) == 5 and sum(sizes) == total == 24 + 100 + 4 * PAYLOAD
+    assert max(sizes) - min(sizes) <= 1
+    assert [off for _, off in parts] == [sum(sizes[:i]) for i in range(5)]
+    # A head longer than an equal share stays whole in part 0.
+    many = [bytearray(1) for _ in range(40)]
+    parts, total = cut([(b"s", 0, 1)], many, [KIND_BUFFER] * 40, 400)
+    assert sum(n for _, _, n in parts[0][0]) >= 8 * 42
+
+
+def test_parts_that_would_wait_for_a_busy_reader_go_in_one_chunk():
+    # Three of four chunks unread and the reader not waiting: a 12 MiB
+    # message that fits a chunk does not go in parts (they would wait for
+    # the reader) but in the one free chunk, as a message under PARTS_MIN
+    # would; a 30 MiB one, too big for a chunk, takes the socket.
+    w, (r,) = local_pair(max_chunk_bytes=24 << 20, max_chunks=4,
+                         enable_shm_tensor_arena=False)
+    for i in range(3):
+        w.enqueue(("small", i), timeout=10)
+    msg = torch.arange(3 << 20, dtype=torch.int32)
+    w.enqueue(msg, timeout=10)
+    st = w.stats()
+    assert (st["parts_messages"], st["ring_messages"]) == (0, 4)
+    for i in range(3):
+        assert r.dequeue(timeout=10) == ("small", i)
+    w.enqueue(("small", 3), timeout=10)
+    w.enqueue(("small", 4), timeout=10)          # 2 chunks unread, 2 free
+    big = torch.arange(30 << 18, dtype=torch.int32)
+    w.enqueue(big, timeout=10)
+    assert torch.equal(r.dequeue(timeout=10), msg)
+    assert r.dequeue(timeout=10) == ("small", 3)
+    assert r.dequeue(timeout=10) == ("small", 4)
+    assert torch.equal(r.dequeue(timeout=10), big)
+    st = w.stats()
+    assert (st["parts_messages"], st["overflow_messages"]) == (0, 1)
+
+
 def test_parts_reserve_a_bounded_share_of_each_chunk():
-    # 16 MiB chunks: a 20 MiB message is three parts of at most PART_BYTES,
+    # 16 MiB chunks, 4 of them free: a 20 MiB message is three parts of at
+    # most PART_BYTES_MAX (six of PART_BYTES would not fit the free chunks),
     # so the ring holds about 20 MiB for it, not three whole chunks.
     w, (r,) = local_pair(max_chunk_bytes=16 << 20, max_chunks=4,
                          enable_shm_tensor_arena=False)
@@ -132,8 +198,8 @@ def test_parts_reserve_a_bounded_share_of_each_chunk():
     w.enqueue(msg, timeout=10)
     assert np.array_equal(r.dequeue(timeout=10), msg)
     assert w.stats()["parts_messages"] == 1
-    assert w.buffer.segment.held_bytes() - before <= 3 * PART_BYTES
-    assert PART_BYTES < 16 << 20
+    assert w.buffer.segment.held_bytes() - before <= 3 * PART_BYTES_MAX
+    assert PART_BYTES_MAX < 16 << 20
 
 
 class _FailingRing:
