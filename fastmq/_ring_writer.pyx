@@ -385,10 +385,11 @@ cdef class RingWriter(RingEnd):
         """Frame the message pickled into ``sink`` into the next chunk and
         publish it (as ``send``); then ``sink``'s arena commit runs and the
         sink lets go of the message's out-of-band buffers.  Returns the
-        framed size; 0 when the message does not fit a chunk (nothing sent,
-        ``sink.frames()`` gives it for the overflow path); or a wait status
-        negated, with nothing sent: act on it, ``continue_wait()`` until
-        ``READY``, then call this again."""
+        framed size; 0 when the message does not fit a chunk, or, unless
+        ``whole``, is framed to ``parts_min`` bytes or more (nothing sent:
+        ``sink.stream()`` gives it for parts, ``sink.frames()`` for the
+        overflow path); or a wait status negated, with nothing sent: act on
+        it, ``continue_wait()`` until ``READY``, then call this again."""
         self._check_open()
         try:
             return self.send_sink(sink, timeout, whole)

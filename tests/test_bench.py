@@ -529,6 +529,30 @@ def test_repeated_runs_merge_to_the_median_with_spread():
     assert scenario.spread(f) == "10.0..30.0"
 
 
+def test_repeated_runs_alternate_the_order_of_implementations(monkeypatch):
+    # What one implementation leaves behind (memory the machine provisions
+    # again, a warm cache) must not always fall to the same next one.
+    import dataclasses
+    import importlib
+
+    from fastmq.bench import runner
+    tensor = importlib.import_module("fastmq.bench.tensor")
+    orders = []
+
+    def fake_run(env, impls_, params, progress):
+        orders.append([i.name for i in impls_])
+        return [_rec("tensor", i.name, 1.0 + k, samples=5, min=1.0, max=2.0, p90=1.0,
+                     p99=1.0, mean=1.0) for k, i in enumerate(impls_)]
+
+    monkeypatch.setattr(tensor, "run", fake_run)
+    params = dataclasses.replace(config.preset("quick"), repeats=3)
+    a, b = "fastmq-futex+arena", "fastmq-futex"
+    out = runner.run(runner.plan(["tensor"], f"{a},{b}"), params, progress=False)
+    assert orders == [[a, b], [b, a], [a, b]]
+    assert {r["impl"]: r["runs"] for r in out["records"]} == {a: 3, b: 3}
+    assert any("reverse order" in n for n in out["notes"])
+
+
 def test_a_floor_slower_than_what_it_bounds_is_marked():
     recs = [_rec("step", "floor", 300.0, config.MiB), _rec("step", "fastmq-futex", 200.0,
                                                             config.MiB),

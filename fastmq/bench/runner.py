@@ -110,7 +110,11 @@ def run(plan_: dict, params, progress: bool = True, scenarios: list[str] | None 
         records: list[dict] = []
         prog.prefix = f"run {rep + 1}/{repeats}  " if repeats > 1 else ""
         for s, lst in plan_.items():
-            records += importlib.import_module(f"fastmq.bench.{s}").run(env, lst, params, prog)
+            # Every other run in the reverse order: what one implementation
+            # leaves behind (memory the machine must provision again, a
+            # warm cache) does not always fall to the same next one.
+            order = lst if rep % 2 == 0 else lst[::-1]
+            records += importlib.import_module(f"fastmq.bench.{s}").run(env, order, params, prog)
         figures.annotate(records)
         runs.append(records)
 
@@ -140,8 +144,9 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
     if params.preset == "quick":
         notes.append("--quick is a smoke run: too few samples for figures to quote.")
     notes.append(f"Every figure is the median of {params.repeats} runs (each run measures "
-                 "every implementation once, in turn); runs' p50 = the lowest and the "
-                 "highest run's value." if params.repeats > 1 else
+                 "every implementation once, in turn, every other run in the reverse "
+                 "order); runs' p50 = the lowest and the highest run's value."
+                 if params.repeats > 1 else
                  "One run: figures are not medians of repeated runs (--repeat 3 or --full "
                  "for those).")
     no_arena = sorted({r["impl"] for r in records if r["impl"].startswith("fastmq")
