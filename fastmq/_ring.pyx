@@ -33,7 +33,9 @@ The id names the socket message that carries the payload, so that a reader
 can never pair a mark with another message's payload.
 
 With node-local readers only, a message too big for a chunk goes through
-the ring itself instead, cut into parts, one per chunk::
+the ring itself instead, cut into parts, one per chunk, and so does one of
+4 MiB or more that fits a chunk (readers copy a part out while the writer
+copies the next in; fastmq._parts)::
 
     [u8 2][3 pad][u32 part index][u64 stream length][u64 offset]
     [u64 part length][part bytes ...]

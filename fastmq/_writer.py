@@ -504,8 +504,8 @@ class QueueWriter:
         stats.overflow_bytes += _nbytes(buffers)
 
     def _send_parts(self, parts: list, total: int, until: float | None) -> None:
-        """A message too big for a chunk, node-local readers only, in parts
-        (``fastmq._parts``) through consecutive chunks; the first chunk's
+        """A message of ``PARTS_MIN`` or more, node-local readers only, in
+        parts (``fastmq._parts``) through consecutive chunks; the first chunk's
         turn has come.  Delivered once the last part is out; an exception
         before that (a timeout, ``shutdown()``, a dead reader, a signal,
         memory running out) leaves ``_parts_open`` set, and the next
