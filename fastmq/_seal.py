@@ -173,8 +173,9 @@ class Seal:
         """``"encrypt"``: check ``wire`` (ciphertext and tag) and leave the
         plaintext in ``out``; False if it does not check (then ``out`` holds
         nothing to use: the caller drops it).  Straight into ``out`` where
-        ``cryptography`` can (46 and later): the plaintext in a fresh
-        ``bytes`` first, then copied, costs several times the decryption."""
+        this ``cryptography`` has ``AESGCM.decrypt_into``: the plaintext in
+        a fresh ``bytes`` first, then copied, costs several times the
+        decryption."""
         nonce = _NONCE.pack(counter, index)
         try:
             if self._decrypt_into is not None:

@@ -329,6 +329,27 @@ def test_an_end_tagging_through_cryptography_reads_and_is_read():
         assert not b.matches(b.tag(9, 4, part), tag)
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_an_encrypted_segment_opens_into_the_frame_and_a_forged_one_does_not(in_place):
+    """A reader decrypts a segment straight into its frame where
+    `cryptography` can (decrypt_into), else through a copy; either way a
+    segment under another nonce or with a flipped byte does not check."""
+    key = _keys.new_message_key()
+    writer, reader = _seal.Seal("encrypt", key), _seal.Seal("encrypt", key)
+    if not in_place:
+        reader._decrypt_into = None
+    elif reader._decrypt_into is None:
+        pytest.skip("this cryptography has no AESGCM.decrypt_into")
+    segment = bytes(range(256)) * 4096
+    (wire,) = writer.seal(7, 2, segment)
+    out = bytearray(len(segment))
+    assert reader.decrypt_into(7, 2, wire, memoryview(out)) and bytes(out) == segment
+    assert not reader.decrypt_into(7, 3, wire, memoryview(bytearray(len(segment))))
+    bad = bytearray(wire)
+    bad[100] ^= 1
+    assert not reader.decrypt_into(7, 2, bytes(bad), memoryview(bytearray(len(segment))))
+
+
 def test_a_segments_tag_is_computed_once_the_segment_left():
     """Under "mac" the first segment goes out before any tag over it is
     computed (the reader checks it while the writer tags it); the wire is
