@@ -31,8 +31,9 @@ or ``bytearray`` that the unpickler takes as the object itself (a large
 in-band payload the writer moved out of the stream, fastmq._sink).
 
 cut into parts of equal size, each at most PART_BYTES (or a chunk; or
-PART_BYTES_MAX where readers are busy and the free chunks few); its head
-(the lengths) lies in part 0.
+PART_BYTES_MAX for a message of more than SMALL_PARTS_MAX of them, or where
+readers are busy and the free chunks few); its head (the lengths) lies in
+part 0.
 """
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ from fastmq._sink import KIND_BUFFER, KIND_BYTEARRAY, KIND_BYTES
 # the ring while readers are busy; any size while they wait for it.
 PART_BYTES = 4 << 20
 PART_BYTES_MAX = 8 << 20
+# A message of more parts than this takes PART_BYTES_MAX ones: the overlap
+# is won by then, and with two readers on two cores a 256 MiB message in
+# 4 MiB parts (65 handovers) ran 2.5-4x slower in one run of three, in
+# 8 MiB parts never (fastmq-bench, arena off, N=2).
+SMALL_PARTS_MAX = 8
 # Framed messages from this size up go in parts even when they fit a chunk.
 PARTS_MIN = 4 << 20
 # Reassembly buffers at least this large come from the reader's pool of
@@ -70,11 +76,15 @@ _LENGTH_MASK = (1 << KIND_SHIFT) - 1
 def cut_to_fit(stream: list, oob: list, kinds: list, max_chunk_bytes: int,
                free: int | None) -> tuple[list, int] | None:
     """``cut()`` into parts of PART_BYTES, or larger ones up to
-    PART_BYTES_MAX when more than ``free`` chunks would be needed (None: no
-    limit, every reader is waiting for the parts).  None when no cut fits."""
+    PART_BYTES_MAX when more than SMALL_PARTS_MAX of them, or more than
+    ``free`` chunks, would be needed (None: no limit, every reader is
+    waiting for the parts).  None when no cut fits."""
     for size in (PART_BYTES, PART_BYTES_MAX):
         parts = cut(stream, oob, kinds, min(size, max_chunk_bytes) - PART_HEAD_BYTES)
-        if parts is None or free is None or len(parts[0]) <= free:
+        if parts is None:
+            return None
+        n = len(parts[0])
+        if (free is None or n <= free) and (n <= SMALL_PARTS_MAX or size == PART_BYTES_MAX):
             return parts
     return None
 

@@ -160,6 +160,25 @@ def test_cut_makes_equal_parts_with_the_head_in_the_first():
     assert sum(n for _, _, n in parts[0][0]) >= 8 * 42
 
 
+def test_small_parts_only_for_a_message_of_few_of_them():
+    # Up to SMALL_PARTS_MAX parts of PART_BYTES; a larger message in parts
+    # of PART_BYTES_MAX; fewer free chunks than parts: larger ones, or none.
+    from fastmq._parts import SMALL_PARTS_MAX, cut_to_fit
+    from fastmq._sink import KIND_BUFFER
+
+    def sizes(mib, free):
+        got = cut_to_fit([(b"s", 0, 1)], [bytearray(mib << 20)], [KIND_BUFFER],
+                         24 << 20, free)
+        return None if got is None else [sum(n for _, _, n in p) for p, _ in got[0]]
+
+    assert max(sizes(16, None)) <= PART_BYTES and len(sizes(16, None)) == 5
+    assert len(sizes(4 * SMALL_PARTS_MAX - 1, None)) == SMALL_PARTS_MAX
+    big = sizes(64, None)
+    assert len(big) == 9 and PART_BYTES < max(big) <= PART_BYTES_MAX
+    assert len(sizes(16, 3)) == 3          # 5 small ones would not fit 3 chunks
+    assert sizes(64, 3) is None            # nor 9 large ones
+
+
 def test_parts_that_would_wait_for_a_busy_reader_go_in_one_chunk():
     # Three of four chunks unread and the reader not waiting: a 12 MiB
     # message that fits a chunk does not go in parts (they would wait for
