@@ -30,6 +30,7 @@ import time
 
 from fastmq import _keys, _seal, _wire
 from fastmq._outbox import Outbox
+from fastmq._recv_buffers import BufferPool
 from fastmq._wire import CHALLENGE, HELLO, MAGIC, READY, PeerGone
 
 logger = logging.getLogger("fastmq")
@@ -89,6 +90,10 @@ class Fanout:
         # Seal counters: next() is one call, so a value once taken is never
         # handed out again, whatever exception follows.
         self._counters = itertools.count(1)
+        # "encrypt": memory for a message's ciphertext, reused message
+        # after message (fastmq._wire.Outgoing).
+        self._ciphertexts = (BufferPool(_wire.CIPHER_POOL_BYTES)
+                             if security == "encrypt" else None)
         family = socket.AF_INET6 if ipv6 else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -108,6 +113,7 @@ class Fanout:
         self.zmq_peer: str | None = None  # the last ZMQ peer that knocked
         self._message: _wire.Outgoing | None = None   # the one going out
         self._sealed: list = []     # its batches computed so far
+        self._dropped = 0           # how many of them every reader was given (now None)
         self._last_seq = 0          # the last message committed
         self._marked = 0            # the message the outboxes count the bytes of
         self._drainer = None        # sends the rest of a message past its deadline
@@ -368,8 +374,9 @@ class Fanout:
         for r in self.readers:
             r.out.mark()
         self._marked = seq
-        message = _wire.Outgoing(self.seal, next(self._counters), seq, buffers)
-        self._message, self._sealed = message, []
+        message = _wire.Outgoing(self.seal, next(self._counters), seq, buffers,
+                                 self._ciphertexts)
+        self._message, self._sealed, self._dropped = message, [], 0
         return message
 
     def committed(self, seq: int) -> bool:
@@ -395,6 +402,12 @@ class Fanout:
         if k == len(self._sealed):
             self._sealed.append(m.batch(k))
         r.out.add(self._sealed[k])
+        # A batch every reader has been given is theirs alone now: its
+        # buffers go (back to the cipher pool) once the sockets took them.
+        low = min([x.out.batches for x in self.readers if x.error is None], default=0)
+        while self._dropped < low:
+            self._sealed[self._dropped] = None
+            self._dropped += 1
         return True
 
     def discard(self, seq: int) -> None:
@@ -402,7 +415,7 @@ class Fanout:
         an earlier one, not begun over, stays)."""
         if self._marked != seq:
             return
-        self._message, self._sealed = None, []
+        self._message, self._sealed, self._dropped = None, [], 0
         for r in self.readers:
             r.out.clear()
 
@@ -454,7 +467,7 @@ class Fanout:
                 raise TimeoutError(f"fastmq: {', '.join(r.describe() for r in active)} "
                                    "did not take the message in time") from None
         # Every reader has it all: nothing of the caller's is referenced now.
-        self._message, self._sealed = None, []
+        self._message, self._sealed, self._dropped = None, [], 0
         return True
 
     def keep_rest(self) -> None:
@@ -471,7 +484,7 @@ class Fanout:
                 while self._refill(r):
                     pass
                 r.out.own_rest(copies)
-        self._message, self._sealed = None, []
+        self._message, self._sealed, self._dropped = None, [], 0
         # Sent in the background: the caller may wait for the readers'
         # answers before it enqueues again (vLLM's engine does).
         self._drainer = threading.Thread(target=self._drain, name="fastmq-remote-drain",

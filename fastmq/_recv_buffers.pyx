@@ -1,4 +1,6 @@
-"""Receive buffers for a remote reader's large frames, kept for reuse.
+"""Receive buffers for a remote reader's large frames, kept for reuse (and,
+on the writer's side of an encrypted remote path, the memory a message's
+ciphertext goes into).
 
 A frame of a large message is received straight into memory of its own,
 which becomes the caller's tensor.  Fresh memory costs the kernel a page

@@ -87,7 +87,7 @@ class Seal:
         self.encrypting = security == "encrypt"
         self.key = key
         if security == "none":
-            self._aead = self._gmac = self._decrypt_into = None
+            self._aead = self._gmac = self._decrypt_into = self._encrypt_into = None
             return
         try:
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -96,7 +96,10 @@ class Seal:
                 f"fastmq: remote security {security!r} needs the 'cryptography' package "
                 "(pip install cryptography)") from e
         self._aead = AESGCM(key)
+        # In place where this cryptography has them: a fresh ``bytes`` per
+        # segment costs its pages on top of the cipher (fastmq._wire).
         self._decrypt_into = getattr(self._aead, "decrypt_into", None)
+        self._encrypt_into = getattr(self._aead, "encrypt_into", None)
         # Small parts' tags with the key's state kept (fastmq._gmac); where
         # no libcrypto loads, every tag comes through cryptography.
         self._gmac = Gmac(key) if gmac_available() else None
@@ -147,14 +150,27 @@ class Seal:
             ok = self._check(nonce, wire[:end], wire[end:])
         return wire[header_len:end] if ok else None
 
-    def seal(self, counter: int, index: int, part) -> list:
+    @property
+    def encrypts_into(self) -> bool:
+        """Whether ``seal`` can leave a segment's ciphertext in memory the
+        caller gives (``"encrypt"`` with ``AESGCM.encrypt_into``)."""
+        return self._encrypt_into is not None
+
+    def seal(self, counter: int, index: int, part, out=None) -> list:
         """The wire form of segment ``index`` of the message sealed under
         ``counter``: ``[part, tag]`` (``"mac"``), ``[ciphertext with its
-        tag]`` (``"encrypt"``), ``[part]`` (``"none"``)."""
+        tag]`` (``"encrypt"``), ``[part]`` (``"none"``).  ``out``
+        (``"encrypt"``, where ``encrypts_into``): writable memory of
+        exactly ``len(part) + tag_bytes`` bytes that receives the
+        ciphertext and is returned as it."""
         if self._aead is None:
             return [part]
         if self.encrypting:
-            return [self._aead.encrypt(_NONCE.pack(counter, index), part, None)]
+            nonce = _NONCE.pack(counter, index)
+            if out is not None and self._encrypt_into is not None:
+                self._encrypt_into(nonce, part, None, out)
+                return [out]
+            return [self._aead.encrypt(nonce, part, None)]
         return [part, self.tag(counter, index, part)]
 
     def tag(self, counter: int, index: int, part) -> bytes:

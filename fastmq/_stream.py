@@ -69,6 +69,10 @@ class Stream:
         # Large frames' memory, reused once the caller dropped it (see
         # fastmq._recv_buffers: fresh pages cost as much as receiving into them).
         self.buffers = BufferPool(keep_bytes)
+        # "encrypt": where a segment's ciphertext lands before it is
+        # decrypted into its frame; one for the stream's life (its pages
+        # stay mapped and warm, segment after segment).
+        self._ciphertext: memoryview | None = None
         self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
         self._received = 0   # bytes received so far (how _drive sees progress)
         self.last_seq = 0    # the last message taken
@@ -346,16 +350,15 @@ class Stream:
         frames = []
         index = 0
         tag_buf = bytearray(t)
-        wire = None
         for length in lengths:
             frame = self._frame_buffer(length)
             out = memoryview(frame)
             for off in range(0, length, SEGMENT_BYTES):
                 seg = out[off:off + SEGMENT_BYTES]
                 if seal.encrypting:
-                    if wire is None:
-                        wire = memoryview(bytearray(SEGMENT_BYTES + t))
-                    w = wire[:len(seg) + t]
+                    if self._ciphertext is None:
+                        self._ciphertext = memoryview(bytearray(SEGMENT_BYTES + t))
+                    w = self._ciphertext[:len(seg) + t]
                     yield from self._read_into(w)
                     ok = seal.decrypt_into(counter, index, w, seg)
                 else:

@@ -48,6 +48,12 @@ VERSION = 2
 SLICE_S = 0.1
 SEGMENT_BYTES = 1 << 20
 WHOLE_BYTES = 64 * 1024
+# "encrypt": a segment this large is encrypted into pooled memory
+# (Outgoing); a smaller one, a frame's short tail, into a fresh bytes.
+POOLED_CIPHER_MIN = 256 * 1024
+# What the writer keeps of those blocks for the next segments: a few
+# segments in flight per reader go round.
+CIPHER_POOL_BYTES = 16 * SEGMENT_BYTES
 
 PREAMBLE = struct.Struct("<4sBB")    # CHALLENGE's first fields: told apart before the rest
 CHALLENGE = struct.Struct(f"<4sBB{_keys.NONCE_BYTES}s{_keys.PUBLIC_BYTES}s")
@@ -143,9 +149,17 @@ class Outgoing:
     reader needs it (so a tag is computed while the previous segment is
     still being taken): an exception in the middle of computing one leaves
     nothing half-done, and asking again gives the same bytes under the same
-    nonces."""
+    nonces.
 
-    def __init__(self, seal: _seal.Seal, counter: int, seq: int, buffers: list):
+    ``"encrypt"``: each segment's ciphertext goes into a block taken from
+    ``pool`` (a ``BufferPool``), which returns to the pool once every
+    reader's socket has taken it (and the fanout dropped the batch): the
+    next segments encrypt into the few pages that go round, already
+    mapped, instead of a fresh ``bytes`` each (fresh pages cost more than
+    the cipher), and the first message is no slower than the next."""
+
+    def __init__(self, seal: _seal.Seal, counter: int, seq: int, buffers: list,
+                 pool=None):
         views = [memoryview(b).cast("B") for b in buffers]
         lengths = [len(v) for v in views]
         self.nbytes = total = sum(lengths)
@@ -159,6 +173,7 @@ class Outgoing:
         self._counter = counter
         if whole:
             self._first = seal.seal_whole(counter, header, views)
+            self._pool = None
             self._segments: list = []
             self._groups: list = []
             self.n_batches = 1
@@ -167,6 +182,7 @@ class Outgoing:
         self._first = [header, seal.tag_header(counter, header)] if seal.tag_bytes else [header]
         self._segments = [v[off:off + SEGMENT_BYTES]
                           for v in views for off in range(0, len(v), SEGMENT_BYTES)]
+        self._pool = pool if seal.encrypting and seal.encrypts_into else None
         # Batches of about a segment: each group of segments ends once it
         # holds SEGMENT_BYTES (the last group may hold less).
         groups, start, size = [], 0, 0
@@ -208,5 +224,8 @@ class Outgoing:
             if self._late and full and i == stop - 1:
                 out.append(segs[i])
             else:
-                out += seal.seal(counter, i, segs[i])
+                cipher = None
+                if self._pool is not None and len(segs[i]) >= POOLED_CIPHER_MIN:
+                    cipher = memoryview(self._pool.take(len(segs[i]) + seal.tag_bytes))
+                out += seal.seal(counter, i, segs[i], cipher)
         return out

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastmq import MessageQueue
+from fastmq import MessageQueue, _wire
 from fastmq._recv_buffers import BufferPool
 
 from _queues import local_pair
@@ -145,6 +145,23 @@ def test_a_writer_sends_large_in_band_streams_from_reused_memory():
             w.enqueue(msg)
             assert r.dequeue(timeout=10) == msg
         assert w._end.encoder.pool.reused >= 3
+    finally:
+        r.shutdown()
+        w.shutdown()
+
+
+def test_an_encrypting_writer_seals_segments_into_blocks_that_go_round():
+    # "encrypt": each 1 MiB segment's ciphertext used to be a fresh bytes
+    # (fresh pages on every message); now a few pooled blocks go round,
+    # the first message included, and the readers still get every byte.
+    w, r = _remote_pair(remote_security="encrypt")
+    try:
+        pool = w._end.fanout._ciphertexts
+        for i in range(4):
+            w.enqueue(_tensor(i))           # 3 MiB: three sealed segments
+            assert torch.equal(r.dequeue(timeout=10), _tensor(i))
+        assert pool.reused >= 8
+        assert pool.held_bytes <= _wire.CIPHER_POOL_BYTES
     finally:
         r.shutdown()
         w.shutdown()

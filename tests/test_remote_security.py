@@ -350,6 +350,28 @@ def test_an_encrypted_segment_opens_into_the_frame_and_a_forged_one_does_not(in_
     assert not reader.decrypt_into(7, 2, bytes(bad), memoryview(bytearray(len(segment))))
 
 
+def test_encrypting_into_pooled_blocks_puts_the_same_bytes_on_the_wire():
+    """The writer's in-place encryption (a pooled block per segment) and a
+    fresh ciphertext per segment give the same wire, down to the short
+    last segment, which is not pooled."""
+    from fastmq._recv_buffers import BufferPool
+
+    key = _keys.new_message_key()
+    pooled, fresh = _seal.Seal("encrypt", key), _seal.Seal("encrypt", key)
+    if not pooled.encrypts_into:
+        pytest.skip("this cryptography has no AESGCM.encrypt_into")
+    fresh._encrypt_into = None
+    payload = bytes(range(251)) * (int(2.3 * _wire.SEGMENT_BYTES) // 251)
+    pool = BufferPool(_wire.CIPHER_POOL_BYTES)
+
+    def wire(seal, pool):
+        m = _wire.Outgoing(seal, 5, 1, [payload], pool)
+        return b"".join(bytes(p) for k in range(m.n_batches) for p in m.batch(k))
+
+    assert wire(pooled, pool) == wire(fresh, None) == wire(pooled, pool)
+    assert pool.reused >= 2      # blocks given back were taken again
+
+
 def test_a_segments_tag_is_computed_once_the_segment_left():
     """Under "mac" the first segment goes out before any tag over it is
     computed (the reader checks it while the writer tags it); the wire is
