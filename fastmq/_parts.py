@@ -1,6 +1,7 @@
 """A large message through the ring's chunks in parts: the writer's cut
 and a reader's reassembly (chunk layout: fastmq/_ring.pyx).  Used for a
-message too big for a chunk, and for one of PARTS_MIN bytes or more that
+message too big for a chunk, and for one of PARTS_MIN bytes or more with
+large buffers (out of band, or in-band payloads kept by reference) that
 would fit one, when every reader is on the writer's node and either the
 parts fit the chunks free when it is sent, or every reader is waiting for
 the next chunk.  Otherwise a message that fits a chunk takes one, and a

@@ -34,7 +34,7 @@ can never pair a mark with another message's payload.
 
 With node-local readers only, a message too big for a chunk goes through
 the ring itself instead, cut into parts, one per chunk, and so does one of
-4 MiB or more that fits a chunk (readers copy a part out while the writer
+4 MiB or more with large buffers that fits a chunk (readers copy a part out while the writer
 copies the next in; fastmq._parts)::
 
     [u8 2][3 pad][u32 part index][u64 stream length][u64 offset]

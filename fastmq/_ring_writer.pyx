@@ -422,7 +422,11 @@ cdef class RingWriter(RingEnd):
                 ptrs[i] = <const char *>views[i - 1].buf
                 lens[i] = views[i - 1].len
             framed = _framed_size(n, lens)
-            if framed > self.max_chunk_bytes or (framed >= self.parts_min and not whole):
+            # Parts overlap the writer's copy in with the readers' copies
+            # out of large buffers; a stream with none (a large list, say)
+            # goes whole, as the readers unpickle it from the chunk itself.
+            if framed > self.max_chunk_bytes or (
+                    framed >= self.parts_min and not whole and (n > 1 or sink.span_bytes)):
                 sent = 0    # the overflow path or parts: the spans stay where they are
             else:
                 # A message with large in-band payloads that fits a chunk

@@ -144,6 +144,25 @@ def test_a_large_message_that_fits_a_chunk_goes_in_equal_parts():
     assert ring.n_published == 5
 
 
+def test_a_large_stream_without_large_buffers_goes_whole():
+    # A 12 MiB list of small objects has no buffer of its own to copy out
+    # while the writer copies the next part in: in parts the reader would
+    # only gather the stream before unpickling it, so it goes in one chunk,
+    # which the reader unpickles in place; a 12 MiB bytes (kept by
+    # reference, its own buffer at the reader) still goes in parts.
+    w, (r,) = local_pair(max_chunk_bytes=24 << 20, max_chunks=8,
+                         enable_shm_tensor_arena=False)
+    items = [bytes([i % 251]) * 1024 for i in range(12 << 10)]
+    blob = b"".join(items)
+    w.enqueue(items, timeout=10)
+    w.enqueue(blob, timeout=10)
+    assert r.dequeue(timeout=10) == items
+    assert r.dequeue(timeout=10) == blob
+    st = w.stats()
+    assert (st["parts_messages"], st["ring_messages"], st["overflow_messages"]) == (1, 1, 0)
+    assert 12 << 20 < st["parts_bytes"] < (12 << 20) + 4096
+
+
 def test_cut_makes_equal_parts_with_the_head_in_the_first():
     from fastmq._parts import cut
     from fastmq._sink import KIND_BUFFER

@@ -20,8 +20,8 @@ def _notes(rs, records) -> list[str]:
     names = {r["impl"] for r in rs}
     return ["paths: +arena = the tensor arena (one copy into shared memory, readers map "
             "it); fastmq-futex / vllm without it: vLLM takes the ring for a message that "
-            "fits a ring chunk (24 MiB by default); fastmq sends one of 4 MiB or more in "
-            "parts through the ring's free chunks when they hold it (4 to 8 MiB parts: up to "
+            "fits a ring chunk (24 MiB by default); fastmq sends one of 4 MiB or more with "
+            "large buffers in parts through the ring's free chunks when they hold it (4 to 8 MiB parts: up to "
             "80 MiB in the default ring) or every reader is waiting, else one chunk if it "
             "fits; a larger one, as vLLM always does, over the overflow path (the chunk "
             "marks the message, the payload goes over the ipc socket); +bytes: the same "
@@ -74,7 +74,8 @@ SPEC = Scenario(
     summary_size=64 * MiB, needs_torch=True, notes=_notes,
     grids=(("large tensors, every reader reads every byte: p50 ms, vLLM / fastmq on the "
             "same path", "arena off: vLLM sends a message that fits a ring chunk (24 MiB by "
-            "default) in one, fastmq one of 4 MiB or more in parts through the ring's chunks "
+            "default) in one, fastmq one of 4 MiB or more with large buffers in parts through the "
+            "ring's chunks "
             "(the readers copy one out while the writer copies the next in); larger ones go "
             "in parts or over the overflow path (ipc socket); remote: TCP over "
             "{link} (remote both ways: the answers too), with fastmq's default security (a "
