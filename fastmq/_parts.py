@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import struct
 
-from fastmq._recv_buffers import fresh_bytearray, fresh_bytes
+from fastmq._recv_buffers import POOLED_MIN_BYTES, fresh_bytearray, fresh_bytes
 from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
 from fastmq._segment import memory_available
 from fastmq._sink import KIND_BUFFER, KIND_BYTEARRAY, KIND_BYTES
@@ -64,7 +64,7 @@ SMALL_PARTS_MAX = 8
 PARTS_MIN = 4 << 20
 # Reassembly buffers at least this large come from the reader's pool of
 # reused memory; smaller ones are plain bytearrays.
-POOLED_MIN = 1 << 20
+POOLED_MIN = POOLED_MIN_BYTES
 
 _U64 = struct.Struct("<Q")
 

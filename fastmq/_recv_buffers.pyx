@@ -30,6 +30,9 @@ from libc.stdint cimport uintptr_t
 from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, madvise,
                          mmap, munmap)
 
+# For Python callers (fastmq._parts).
+POOLED_MIN_BYTES = POOLED_MIN
+
 cdef enum:
     MAX_FREE = 8
     PAGE = 4096

@@ -36,12 +36,9 @@ from fastmq._ring cimport (CHUNK_PART, CHUNK_PART_ABORT, FRAME_HEAD, NOGIL_COPY_
                            PART_HEAD, ST_OVERFLOW, ST_PARTS, ST_READY,
                            ST_WRITER_CLOSED, ST_WRITER_DIED, W_ZMQ, RingEnd, claim_alive,
                            decode, spin_tick)
+from fastmq._recv_buffers cimport POOLED_MIN
 from fastmq._ring_layout cimport *
 from fastmq._segment cimport Segment
-
-cdef enum:
-    # Out-of-band buffers this large go into the reader's pool (buffers).
-    POOLED_MIN = 1 << 20
 
 from fastmq._proc import is_alive as _process_alive
 from fastmq._ring import (LAYOUT_VERSION, MAGIC, PENDING, CorruptChunkError,

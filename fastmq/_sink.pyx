@@ -37,6 +37,8 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
+from fastmq._recv_buffers cimport POOLED_MIN
+
 cdef enum:
     FIRST_CAP = 4096
     # A buffer grown past this for big streams shrinks back once a message
@@ -48,8 +50,6 @@ cdef enum:
     # In-band payloads this large are kept by reference (see the module
     # docstring); below it a copy costs less than gathering it later.
     SPAN_MIN = 1 << 20
-    # A stream gathered for a socket this large goes into pooled memory.
-    POOLED_MIN = 1 << 20
 
 # What an out-of-band buffer of the part stream becomes at the reader (see
 # stream() and fastmq._parts): the buffer it arrives in, or a bytes /

@@ -1,0 +1,6 @@
+cdef enum:
+    # A buffer of this size or more comes from a BufferPool (a reader's
+    # copy of a large out-of-band buffer or reassembled stream, a stream
+    # gathered for a socket): fresh pages cost a fault and a page of zeros
+    # each, about what filling them costs.  Smaller ones are plain objects.
+    POOLED_MIN = 1 << 20
