@@ -39,11 +39,6 @@ from fastmq._sink cimport PickleSink
 
 from fastmq._ring import (LAYOUT_VERSION, MAGIC, SLOT_ALIVE, SLOT_DEAD, SLOT_FREE, SLOT_LEFT,
                           layout)
-from fastmq._segment import memory_available, shm_full_error
-
-cdef extern from "fmq_populate.h" nogil:
-    int fmq_populate(char *p, size_t n)
-    int fmq_have_populate()
 
 cdef uint64_t CLAIM_LEFT = 1ULL << CLAIM_LEFT_BIT
 
@@ -271,22 +266,10 @@ cdef class RingWriter(RingEnd):
             return 0
         cdef Py_ssize_t want = min(_align(nbytes, RESERVE_STEP), self.max_chunk_bytes)
         cdef Py_ssize_t have = self.reserved[idx]
-        cdef int err
-        what = "writing a %d-byte message into ring chunk %d" % (nbytes, idx)
-        if fmq_have_populate():
-            # Allocated and mapped in one call (Linux 5.14): the copy that
-            # follows takes no fault per page, as it would after
-            # posix_fallocate, which only allocates.  A memory file has no
-            # size limit of its own: asked first, as reserve() does.
-            avail = memory_available()
-            if 0 <= avail < want - have:
-                raise shm_full_error(what, want - have, self.segment.name)
-            with nogil:
-                err = fmq_populate(self.chunk(idx) + have, want - have)
-            if err == 0:
-                self.reserved[idx] = want
-                return 0
-        self.segment.reserve(self.data_off + idx * self.max_chunk_bytes, want, what)
+        # Allocated and mapped: the copy into a fresh chunk takes no fault
+        # per page.
+        self.segment.populate(self.data_off + idx * self.max_chunk_bytes + have, want - have,
+                              "writing a %d-byte message into ring chunk %d" % (nbytes, idx))
         self.reserved[idx] = want
         return 0
 

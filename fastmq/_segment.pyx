@@ -31,6 +31,10 @@ from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport close as c_close, ftruncate
 from posix.types cimport off_t
 
+cdef extern from "fmq_populate.h" nogil:
+    int fmq_populate(char *p, size_t n)
+    int fmq_have_populate()
+
 cdef extern from "fcntl.h" nogil:
     int posix_fallocate(int fd, off_t offset, off_t length)
     int fcntl(int fd, int cmd, ...)
@@ -276,6 +280,26 @@ cdef class Segment:
             raise shm_full_error(what, length, self.name)
         if err != 0:
             raise _os_error(err, "cannot reserve pages of shared memory segment", self.name)
+
+    def populate(self, Py_ssize_t offset, Py_ssize_t length, str what="this write"):
+        """``reserve``, and map the pages into this process too, in one call
+        (``MADV_POPULATE_WRITE``, Linux 5.14; ``reserve`` alone before): a
+        copy into the range then takes no page fault per 4 KiB."""
+        if offset < 0 or length < 0 or offset > self.size or length > self.size - offset:
+            raise ValueError("populate(%d, %d) outside segment %r of %d bytes"
+                             % (offset, length, self.name, self.size))
+        if self.fd < 0 or self.readonly or not fmq_have_populate():
+            return self.reserve(offset, length, what)
+        # A memory file has no size limit of its own: populating past what
+        # the host has left would wake the OOM killer, so asked first.
+        avail = memory_available()
+        if 0 <= avail < length:
+            raise shm_full_error(what, length, self.name)
+        cdef int err
+        with nogil:
+            err = fmq_populate(self.addr + offset, length)
+        if err != 0:        # the same range through posix_fallocate: its error
+            self.reserve(offset, length, what)
 
     def held_bytes(self):
         """Bytes of memory the segment holds now (its allocated pages, shared
