@@ -402,12 +402,13 @@ class Fanout:
         if k == len(self._sealed):
             self._sealed.append(m.batch(k))
         r.out.add(self._sealed[k])
-        # A batch every reader has been given is theirs alone now: its
-        # buffers go (back to the cipher pool) once the sockets took them.
-        low = min([x.out.batches for x in self.readers if x.error is None], default=0)
-        while self._dropped < low:
-            self._sealed[self._dropped] = None
-            self._dropped += 1
+        if self._ciphertexts is not None:
+            # A batch every reader has been given is theirs alone now: its
+            # blocks go back to the pool once the sockets took them.
+            low = min([x.out.batches for x in self.readers if x.error is None], default=0)
+            while self._dropped < low:
+                self._sealed[self._dropped] = None
+                self._dropped += 1
         return True
 
     def discard(self, seq: int) -> None:
