@@ -361,7 +361,10 @@ class Fanout:
     # computed once, when the fastest reader needs it; each reader's outbox
     # counts the batches it was given, so a reader that is ahead is not
     # held to a slower one's pace, only the message as a whole is
-    # (enqueue() returns once every reader has all of it).
+    # (enqueue() returns once every reader has all of it).  Under
+    # "encrypt" the batches between the slowest reader and the fastest are
+    # ciphertext the writer keeps: the fastest is held within
+    # CIPHER_LEAD_BATCHES of the slowest, so that they fit the pool.
     @property
     def next_seq(self) -> int:
         return self._last_seq + 1
@@ -393,15 +396,13 @@ class Fanout:
         """The current message is the readers' now: its sequence number is used."""
         self._last_seq = self._marked
 
-    def _refill(self, r: _Reader) -> bool:
-        """Queue ``r``'s next batch; False when it has the whole message."""
+    def _refill(self, r: _Reader, bounded: bool = True) -> bool | None:
+        """Queue ``r``'s next batch; False when it has the whole message,
+        None when it is held back (``bounded``, "encrypt": the lead)."""
         m = self._message
         k = r.out.batches
         if m is None or k >= m.n_batches:
             return False
-        if k == len(self._sealed):
-            self._sealed.append(m.batch(k))
-        r.out.add(self._sealed[k])
         if self._ciphertexts is not None:
             # A batch every reader has been given is theirs alone now: its
             # blocks go back to the pool once the sockets took them.
@@ -409,6 +410,11 @@ class Fanout:
             while self._dropped < low:
                 self._sealed[self._dropped] = None
                 self._dropped += 1
+            if bounded and k - low >= _wire.CIPHER_LEAD_BATCHES:
+                return None
+        if k == len(self._sealed):
+            self._sealed.append(m.batch(k))
+        r.out.add(self._sealed[k])
         return True
 
     def discard(self, seq: int) -> None:
@@ -440,32 +446,42 @@ class Fanout:
         message is left, and ``until`` and ``stop`` apply throughout."""
         active = [r for r in self.readers if r.error is None]
         while active:
-            waiting = []
+            waiting, held = [], []
             for r in active:
                 try:
                     while True:
                         if r.out.owed:
                             r.write()
-                        if r.out.owed or not self._refill(r):
+                        if r.out.owed:
+                            break
+                        more = self._refill(r)
+                        if not more:
+                            if more is None:
+                                held.append(r)
                             break
                 except PeerGone as e:
                     self._break(r, f"disconnected ({e})")
                     continue
                 if r.out.owed:
                     waiting.append(r)
+            # A held reader waits for the slowest, which is never held: it
+            # was given another batch or waits for its socket (``waiting``).
             if not waiting:
+                if held:
+                    active = held
+                    continue
                 break
             if until_commit and self.written_any:
                 return True
-            active = waiting
+            active = waiting + held
             committed = committing and self.written_any
             try:
-                _wire.wait([(r.fd, select.POLLOUT) for r in active], until,
+                _wire.wait([(r.fd, select.POLLOUT) for r in waiting], until,
                            None if committed else stop)
             except TimeoutError:
                 if committed:
                     return False
-                raise TimeoutError(f"fastmq: {', '.join(r.describe() for r in active)} "
+                raise TimeoutError(f"fastmq: {', '.join(r.describe() for r in waiting)} "
                                    "did not take the message in time") from None
         # Every reader has it all: nothing of the caller's is referenced now.
         self._message, self._sealed, self._dropped = None, [], 0
@@ -482,7 +498,7 @@ class Fanout:
         copies: dict = {}   # a part queued for several readers is copied once
         for r in self.readers:
             if r.error is None:
-                while self._refill(r):
+                while self._refill(r, bounded=False):
                     pass
                 r.out.own_rest(copies)
         self._message, self._sealed, self._dropped = None, [], 0

@@ -34,7 +34,9 @@ from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT
 POOLED_MIN_BYTES = POOLED_MIN
 
 cdef enum:
-    MAX_FREE = 8
+    # Enough for the encrypting writer's blocks (fastmq._wire
+    # CIPHER_POOL_BYTES: a megabyte each); the scan of take() is short.
+    MAX_FREE = 32
     PAGE = 4096
     # Linux 5.14; an older kernel refuses it (EINVAL) and the pages are
     # faulted in as the socket writes them, as before.

@@ -51,9 +51,15 @@ WHOLE_BYTES = 64 * 1024
 # "encrypt": a segment this large is encrypted into pooled memory
 # (Outgoing); a smaller one, a frame's short tail, into a fresh bytes.
 POOLED_CIPHER_MIN = 256 * 1024
-# What the writer keeps of those blocks for the next segments: a few
-# segments in flight per reader go round.
-CIPHER_POOL_BYTES = 16 * SEGMENT_BYTES
+# How far (in batches, about a segment each) the fastest reader may run
+# ahead of the slowest under "encrypt": every batch in between is
+# ciphertext the writer keeps.  Unbounded, two readers on two cores drift
+# a whole message apart and each message's ciphertext is fresh memory.
+CIPHER_LEAD_BATCHES = 8
+# What the writer keeps of those blocks for the next segments: the lead,
+# plus the batch each reader's socket has still to take (a block is a
+# segment and its tag, in whole pages).
+CIPHER_POOL_BYTES = 2 * CIPHER_LEAD_BATCHES * (SEGMENT_BYTES + 4096)
 
 PREAMBLE = struct.Struct("<4sBB")    # CHALLENGE's first fields: told apart before the rest
 CHALLENGE = struct.Struct(f"<4sBB{_keys.NONCE_BYTES}s{_keys.PUBLIC_BYTES}s")

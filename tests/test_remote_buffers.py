@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -164,6 +166,49 @@ def test_an_encrypting_writer_seals_segments_into_blocks_that_go_round():
         assert pool.held_bytes <= _wire.CIPHER_POOL_BYTES
     finally:
         r.shutdown()
+        w.shutdown()
+
+
+def test_an_encrypting_writer_holds_the_fastest_reader_near_the_slowest():
+    # Two readers, one slow: the batches between them are ciphertext the
+    # writer keeps.  The fastest used to run a whole message ahead, so each
+    # message's ciphertext was fresh memory (a block per segment, more than
+    # the pool keeps); now it stays within the lead and the blocks go round.
+    w, rs = local_pair(0, n_remote=2, remote_security="encrypt")
+    size, n_msgs = 24 * MiB, 4
+    got: dict = {0: [], 1: []}
+    errors: list = []
+
+    def read(rank: int, pause: float) -> None:
+        try:
+            for _ in range(n_msgs):
+                time.sleep(pause)
+                t = rs[rank].dequeue(timeout=30)
+                got[rank].append(int(t[0]))
+                del t
+        except BaseException as e:   # (seen by the test below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(0, 0.0)),
+               threading.Thread(target=read, args=(1, 0.2))]
+    try:
+        pool = w._end.fanout._ciphertexts
+        for t in threads:
+            t.start()
+        for i in range(n_msgs):
+            w.enqueue(torch.full((size // 8,), i, dtype=torch.int64), timeout=30)
+        for t in threads:
+            t.join(30)
+        assert not errors and got == {0: list(range(n_msgs)), 1: list(range(n_msgs))}
+        segments = n_msgs * size // _wire.SEGMENT_BYTES
+        fresh = segments - pool.reused
+        assert fresh <= 2 * _wire.CIPHER_LEAD_BATCHES + 2, (fresh, segments)
+        assert pool.held_bytes <= _wire.CIPHER_POOL_BYTES
+    finally:
+        for t in threads:
+            t.join(30)
+        for r in rs:
+            r.shutdown()
         w.shutdown()
 
 
