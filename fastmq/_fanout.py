@@ -403,9 +403,10 @@ class Fanout:
         k = r.out.batches
         if m is None or k >= m.n_batches:
             return False
-        if self._ciphertexts is not None:
+        if self._ciphertexts is not None and m.n_batches > 1:
             # A batch every reader has been given is theirs alone now: its
-            # blocks go back to the pool once the sockets took them.
+            # blocks go back to the pool once the sockets took them.  (A
+            # one-batch message, a step's, has nothing to drop or hold.)
             low = min([x.out.batches for x in self.readers if x.error is None], default=0)
             while self._dropped < low:
                 self._sealed[self._dropped] = None
