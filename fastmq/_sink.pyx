@@ -34,12 +34,18 @@ from cpython.buffer cimport (PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_FillInfo, Py
 from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize,
                             PyBytes_GET_SIZE)
 from libc.stdint cimport uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
 from fastmq._recv_buffers cimport POOLED_MIN
 
+cdef extern from "fmq_growbuf.h" nogil:
+    char *fmq_growbuf_alloc(size_t cap)
+    void fmq_growbuf_free(char *p, size_t cap)
+    char *fmq_growbuf_resize(char *p, size_t old_cap, size_t new_cap)
+
 cdef enum:
+    # The buffer grows by doubling from here; from 256 KiB up it is a
+    # mapping of its own that grows without a copy (fmq_growbuf.h).
     FIRST_CAP = 4096
     # A buffer grown past this for big streams shrinks back once a message
     # did not need it (checked as the next one starts): a queue that once
@@ -93,7 +99,7 @@ cdef class PickleSink:
     stream, smaller ones in band."""
 
     def __cinit__(self, to_slot=None, commit=None, abort=None, Py_ssize_t oob_min=1 << 20):
-        self.buf = <char *>malloc(FIRST_CAP)
+        self.buf = fmq_growbuf_alloc(FIRST_CAP)
         if self.buf == NULL:
             raise MemoryError()
         self.cap = FIRST_CAP
@@ -111,7 +117,7 @@ cdef class PickleSink:
         self.broken = True    # no pickler built yet
 
     def __dealloc__(self):
-        free(self.buf)
+        fmq_growbuf_free(self.buf, self.cap)
         self.buf = NULL
 
     def expect(self, dict copyreg_table, bint torch_pending, dict modules):
@@ -197,7 +203,7 @@ cdef class PickleSink:
         cdef Py_ssize_t cap = self.cap
         while cap < need:
             cap *= 2
-        cdef char *p = <char *>realloc(self.buf, cap)
+        cdef char *p = fmq_growbuf_resize(self.buf, self.cap, cap)
         if p == NULL:
             raise MemoryError()
         self.buf = p
@@ -225,7 +231,7 @@ cdef class PickleSink:
         cdef char *p
         self.check_unexported()
         if self.cap > KEEP_CAP and self.size <= KEEP_CAP:   # (size: the last stream's)
-            p = <char *>realloc(self.buf, KEEP_CAP)
+            p = fmq_growbuf_resize(self.buf, self.cap, KEEP_CAP)
             if p != NULL:       # else keep the larger buffer: still valid
                 self.buf = p
                 self.cap = KEEP_CAP
@@ -255,7 +261,7 @@ cdef class PickleSink:
         return 0
 
     cdef int check_unexported(self) except -1:
-        # The buffer moves (realloc) only while nobody holds a view of it.
+        # The buffer moves (grow, flatten) only while nobody holds a view of it.
         if self.exports:
             raise BufferError("fastmq: the pickle buffer is still exported")
         return 0
@@ -382,17 +388,18 @@ cdef class PickleSink:
             return 0
         self.check_unexported()
         cdef Py_ssize_t total = self.size + self.span_bytes
-        cdef char *p = <char *>malloc(total if total > FIRST_CAP else FIRST_CAP)
+        cdef Py_ssize_t cap = total if total > FIRST_CAP else FIRST_CAP
+        cdef char *p = fmq_growbuf_alloc(cap)
         if p == NULL:
             raise MemoryError()
         try:
             self.gather(p)
         except BaseException:
-            free(p)
+            fmq_growbuf_free(p, cap)
             raise
-        free(self.buf)
+        fmq_growbuf_free(self.buf, self.cap)
         self.buf = p
-        self.cap = total if total > FIRST_CAP else FIRST_CAP
+        self.cap = cap
         self.size = total
         del self.spans[:]
         self.span_bytes = 0

@@ -497,3 +497,31 @@ def test_the_sink_keeps_large_in_band_payloads_by_reference():
     sink.clear()
     w.enqueue(("after", 1), timeout=5)
     assert r.dequeue(timeout=5) == ("after", 1)
+
+
+def test_a_large_stream_grows_in_the_sink_without_faulting_its_pages_twice():
+    # A pickle stream of 16 MiB (a list of small bytes: nothing leaves the
+    # stream) is written into a buffer that doubles.  Grown through the
+    # heap, each doubling was a fresh block and a copy: with glibc's mmap
+    # threshold raised (as freeing any large block does), the stream's
+    # first pickling faulted about twice its pages.  It is a mapping that
+    # grows in place now: about one fault per page, once.
+    import pickle
+    import resource
+
+    w, (r,) = local_pair(max_chunk_bytes=1 << 20, max_chunks=4, enable_shm_tensor_arena=False)
+    ring, enc = w._ring, w._end.encoder
+    item = bytes(range(256)) * 4
+    obj = [item[:1000] + i.to_bytes(24, "little") for i in range(16 << 10)]   # ~16 MiB
+    big = bytearray(24 << 20)
+    del big   # glibc now serves up to 24 MiB from its heap
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert ring.send_object(obj, enc.pickler, enc.sink, 1) == 0   # too big: left in the sink
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    pages = enc.sink.nbytes // 4096
+    assert pages >= 4000 and faults < 1.25 * pages, (faults, pages)
+    stream, *oob = enc.sink.frames()
+    assert not oob and pickle.loads(stream) == obj
+    enc.sink.clear()
+    w.enqueue(("after", 1), timeout=5)
+    assert r.dequeue(timeout=5) == ("after", 1)
