@@ -34,7 +34,7 @@ from cpython.buffer cimport (PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_FillInfo, Py
 from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromStringAndSize,
                             PyBytes_GET_SIZE)
 from libc.stdint cimport uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memmove
 
 from fastmq._recv_buffers cimport POOLED_MIN
 
@@ -383,23 +383,39 @@ cdef class PickleSink:
         return 0
 
     cdef int flatten(self) except -1:
-        """Copy the spans into the buffer: the stream in one piece."""
+        """Copy the spans into the buffer: the stream in one piece.  In
+        place, from the back: a span only pushes the bytes after it further
+        along, so each stretch of the buffer moves (memmove) before a span
+        fills the gap in front of it.  The buffer only grows (mremap keeps
+        it), so a message like this on every step faults no fresh page once
+        the buffer is large enough (a fresh buffer per message did)."""
         if not self.spans:
             return 0
         self.check_unexported()
         cdef Py_ssize_t total = self.size + self.span_bytes
-        cdef Py_ssize_t cap = total if total > FIRST_CAP else FIRST_CAP
-        cdef char *p = fmq_growbuf_alloc(cap)
-        if p == NULL:
-            raise MemoryError()
-        try:
-            self.gather(p)
-        except BaseException:
-            fmq_growbuf_free(p, cap)
-            raise
-        fmq_growbuf_free(self.buf, self.cap)
-        self.buf = p
-        self.cap = cap
+        cdef Py_ssize_t end = total, stop = self.size, at, n, i, seg
+        cdef Py_buffer v
+        if total > self.cap:
+            self.grow(total)
+        for i in range(len(self.spans) - 1, -1, -1):
+            at, data, n, _, _, _ = self.spans[i]
+            seg = stop - at
+            with nogil:
+                memmove(self.buf + end - seg, self.buf + at, seg)
+            end -= seg
+            PyObject_GetBuffer(data, &v, PyBUF_SIMPLE)
+            try:
+                if v.len != n:
+                    # The caller aborts the message: the half-moved buffer
+                    # is never sent, the next message starts it afresh.
+                    raise BufferError("fastmq: an in-band buffer of %d bytes changed size "
+                                      "(now %d) while it was being sent" % (n, v.len))
+                with nogil:
+                    memcpy(self.buf + end - n, v.buf, n)
+            finally:
+                PyBuffer_Release(&v)
+            end -= n
+            stop = at
         self.size = total
         del self.spans[:]
         self.span_bytes = 0

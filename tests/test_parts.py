@@ -525,3 +525,32 @@ def test_a_large_stream_grows_in_the_sink_without_faulting_its_pages_twice():
     enc.sink.clear()
     w.enqueue(("after", 1), timeout=5)
     assert r.dequeue(timeout=5) == ("after", 1)
+
+
+def test_a_step_with_a_large_in_band_payload_faults_no_fresh_page_once_warm():
+    # A message that fits a chunk but holds a payload the sink kept by
+    # reference (1 MiB bytes: vLLM-sized step data) is put in one piece
+    # (flatten) before its copy into the chunk.  That is done in the sink's
+    # own buffer: a fresh buffer per message faulted its pages every time
+    # (a quarter of the round trip at 1 MiB).
+    import resource
+
+    w, (r,) = local_pair(max_chunk_bytes=4 << 20, max_chunks=2, enable_shm_tensor_arena=False)
+    payload = bytes(range(256)) * (4 << 10)                 # 1 MiB: kept as a span
+
+    def step(i):
+        w.enqueue(("step", i, payload), timeout=10)
+        got = r.dequeue(timeout=10)
+        assert got[:2] == ("step", i) and got[2] == payload
+
+    for i in range(4):                                       # every chunk and buffer warm
+        step(i)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i in range(4, 12):
+        step(i)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    # A fresh sink buffer per message: 8 x 257 faults.  (The reader's
+    # result, a 1 MiB bytes each time, comes from the heap that the earlier
+    # ones gave back once glibc raised its mmap threshold: none.)
+    assert faults < 8 * 256 // 2, faults
+    assert w.stats()["ring_messages"] == 12
