@@ -87,6 +87,23 @@ cdef inline uint64_t _u32_le(const char *p) noexcept:
     return v
 
 
+cdef int _copy_span(object data, Py_ssize_t n, char *out) except -1:
+    # A span's n bytes into ``out``, its length checked again here (a
+    # bytearray can change between pickle and send); the view held keeps
+    # it from changing during the copy.
+    cdef Py_buffer v
+    PyObject_GetBuffer(data, &v, PyBUF_SIMPLE)
+    try:
+        if v.len != n:
+            raise BufferError("fastmq: an in-band buffer of %d bytes changed size "
+                              "(now %d) while it was being sent" % (n, v.len))
+        with nogil:
+            memcpy(out, v.buf, n)
+    finally:
+        PyBuffer_Release(&v)
+    return 0
+
+
 cdef class PickleSink:
     """``PickleSink(to_slot=None, commit=None, abort=None, oob_min=1 MiB)``.
 
@@ -359,20 +376,11 @@ cdef class PickleSink:
         # bytes between the spans, and each span, whose length is checked
         # again here (a bytearray can change between pickle and send).
         cdef Py_ssize_t prev = 0, done = 0, at, n
-        cdef Py_buffer v
         for at, data, n, _, _, _ in self.spans:
             memcpy(out + done, self.buf + prev, at - prev)
             done += at - prev
             prev = at
-            PyObject_GetBuffer(data, &v, PyBUF_SIMPLE)
-            try:
-                if v.len != n:
-                    raise BufferError("fastmq: an in-band buffer of %d bytes changed size "
-                                      "(now %d) while it was being sent" % (n, v.len))
-                with nogil:
-                    memcpy(out + done, v.buf, n)
-            finally:
-                PyBuffer_Release(&v)
+            _copy_span(data, n, out + done)
             done += n
         n = self.size - prev
         if n >= 65536:
@@ -394,7 +402,6 @@ cdef class PickleSink:
         self.check_unexported()
         cdef Py_ssize_t total = self.size + self.span_bytes
         cdef Py_ssize_t end = total, stop = self.size, at, n, i, seg
-        cdef Py_buffer v
         if total > self.cap:
             self.grow(total)
         for i in range(len(self.spans) - 1, -1, -1):
@@ -403,17 +410,9 @@ cdef class PickleSink:
             with nogil:
                 memmove(self.buf + end - seg, self.buf + at, seg)
             end -= seg
-            PyObject_GetBuffer(data, &v, PyBUF_SIMPLE)
-            try:
-                if v.len != n:
-                    # The caller aborts the message: the half-moved buffer
-                    # is never sent, the next message starts it afresh.
-                    raise BufferError("fastmq: an in-band buffer of %d bytes changed size "
-                                      "(now %d) while it was being sent" % (n, v.len))
-                with nogil:
-                    memcpy(self.buf + end - n, v.buf, n)
-            finally:
-                PyBuffer_Release(&v)
+            # A span that changed size raises: the caller aborts the message,
+            # the half-moved buffer is never sent, the next message starts it afresh.
+            _copy_span(data, n, self.buf + end - n)
             end -= n
             stop = at
         self.size = total
