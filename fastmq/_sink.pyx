@@ -394,9 +394,10 @@ cdef class PickleSink:
         """Copy the spans into the buffer: the stream in one piece.  In
         place, from the back: a span only pushes the bytes after it further
         along, so each stretch of the buffer moves (memmove) before a span
-        fills the gap in front of it.  The buffer only grows (mremap keeps
-        it), so a message like this on every step faults no fresh page once
-        the buffer is large enough (a fresh buffer per message did)."""
+        fills the gap in front of it.  Flatten only grows the buffer (mremap
+        keeps its pages), so a message like this on every step faults no
+        fresh page once the buffer is large enough (a fresh buffer per
+        message did)."""
         if not self.spans:
             return 0
         self.check_unexported()
