@@ -418,6 +418,36 @@ def test_tensor_checksum_reads_every_byte():
         harness.checksum(torch.arange(16, dtype=torch.int64).view(4, 4).t())
 
 
+def test_list_checksum_reads_every_byte_in_place(monkeypatch):
+    import random
+    import tracemalloc
+
+    rnd = random.Random(7)
+    data = rnd.randbytes(8 * 5000)
+    cuts = sorted(rnd.sample(range(1, len(data)), 300))  # ragged items, words split
+    items = [data[i:j] for i, j in zip([0, *cuts], [*cuts, len(data)])]
+    want = int(np.frombuffer(data, dtype=np.uint64).sum(dtype=np.uint64))
+    monkeypatch.setattr(harness, "CHECK_BATCH", 1000)  # many batches, carries between them
+    assert harness.list_checksum(items) == (want, len(data))
+    for i in (0, len(items) // 2, len(items) - 1):  # a change anywhere shows
+        bad = list(items)
+        bad[i] = bytes([bad[i][0] ^ 1]) + bad[i][1:]
+        assert harness.list_checksum(bad)[0] != want
+    assert harness.list_checksum([]) == (0, 0)
+    with pytest.raises(harness.VerifyError, match="not a whole number of 8-byte words"):
+        harness.list_checksum([*items, b"abc"])
+    # The whole list is never copied: a reader's check allocates about a batch.
+    monkeypatch.setattr(harness, "CHECK_BATCH", 1 << 20)
+    big = [bytes(1024)] * (16 << 10)  # 16 MiB
+    tracemalloc.start()
+    try:
+        assert harness.list_checksum(big) == (0, 16 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 << 20, peak
+
+
 def test_percentiles_are_nearest_rank():
     v = list(range(1, 101))
     assert harness.percentile(v, 50) == 50

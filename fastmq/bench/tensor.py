@@ -9,7 +9,7 @@ import numpy as np
 from fastmq.bench import impls as impls_mod
 from fastmq.bench.config import MiB
 from fastmq.bench.harness import (BenchError, VerifyError, attached, bench_segment, checksum,
-                                  groups, record, serve, tensor_expected)
+                                  groups, list_checksum, record, serve, tensor_expected)
 from fastmq.bench.scenario import Line, Scenario, num, ratio, spread
 from fastmq.shm_usage import held_bytes
 
@@ -27,7 +27,9 @@ def _notes(rs, records) -> list[str]:
             "marks the message, the payload goes over the ipc socket); +bytes: the same "
             "bytes as one "
             "bytes object, pickled in-band (no out-of-band buffer, no arena); +list: the same "
-            f"bytes as a list of {impls_mod.LIST_ITEM}-byte bytes objects, pickled in-band.",
+            f"bytes as a list of {impls_mod.LIST_ITEM}-byte bytes objects, pickled in-band "
+            "(each reader sums its words in place, about a MiB at a time: no copy of the "
+            "whole list).",
             *impls_mod.remote_notes(names),
             *(["floor: one single-threaded memcpy into a pre-faulted shared segment plus "
                "every reader's read of every byte."] if "floor" in names else []),
@@ -171,9 +173,9 @@ def _answer(seq, t, _):
 
     if type(t) is tuple:  # the floor: zero copy, the segment itself
         t = torch.frombuffer(attached(t[1]), dtype=torch.int64, count=t[2]).view(t[3])
-    elif isinstance(t, (bytes, list)):  # the in-band rows (read-only: no tensor over it)
-        if isinstance(t, list):
-            t = b"".join(t)
+    elif isinstance(t, list):  # the in-band rows (read-only: no tensor over them)
+        return list_checksum(t)
+    elif isinstance(t, bytes):
         return int(np.frombuffer(t, dtype=np.uint64).sum(dtype=np.uint64)), len(t)
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
         raise VerifyError(f"message {seq}: expected an int64 tensor, received "
