@@ -81,7 +81,7 @@ def list_checksum(items: list) -> tuple[int, int]:
     total, nbytes, carry, i = 0, 0, b"", 0
     step = max(1, CHECK_BATCH // max(1, len(items[0]) if items else 1))
     while i < len(items):
-        batch = b"".join([carry, *items[i:i + step]]) if carry else b"".join(items[i:i + step])
+        batch = b"".join([carry, *items[i:i + step]])
         i += step
         whole = len(batch) - len(batch) % 8
         if whole:
