@@ -123,6 +123,35 @@ def cut(stream: list, oob: list, kinds: list, payload: int) -> tuple[list, int] 
     return parts, total
 
 
+def read_head(ring, idx: int, length: int, total: int) -> tuple[int, list, list]:
+    """``(head bytes, lengths, kinds)``: the head of the part stream whose
+    part 0 (``length`` bytes of a ``total``-byte stream) is in chunk
+    ``idx``, every figure checked against the stream before any buffer is
+    allocated or any byte past the head is read."""
+    where = f"fastmq ring chunk {idx}"
+    word = bytearray(8)
+    if length < 8:
+        raise CorruptChunkError(f"{where}: part 0 of {length} bytes holds no head")
+    ring.copy_part(idx, 0, word, 0, 8)
+    (n,) = _U64.unpack(word)
+    head = 8 * (1 + n)
+    if n < 1 or head > length or head > total:
+        raise CorruptChunkError(f"{where}: a part stream names {n} buffers, which its "
+                                f"{length}-byte first part cannot list")
+    table = bytearray(8 * n)
+    ring.copy_part(idx, 8, table, 0, 8 * n)
+    words = struct.unpack(f"<{n}Q", table)
+    lens = [w & _LENGTH_MASK for w in words]
+    kinds = [w >> KIND_SHIFT for w in words]
+    if kinds[0] != KIND_BUFFER or max(kinds) > KIND_BYTEARRAY:
+        raise CorruptChunkError(f"{where}: a part stream names a buffer of unknown kind "
+                                f"({kinds})")
+    if head + sum(lens) != total:
+        raise CorruptChunkError(f"{where}: a part stream's buffers add up to "
+                                f"{head + sum(lens)} bytes, the stream is {total}")
+    return head, lens, kinds
+
+
 class Assembly:
     """One reader's copy of a part stream in progress.  Kept by the reader
     across dequeue() calls: a timeout between parts resumes where it was."""
@@ -139,9 +168,20 @@ class Assembly:
         self._pool = pool
         self._spans: list = []   # (stream offset, length, frame)
 
-    def take(self, ring, idx: int, index: int, total: int, offset: int, length: int) -> bool:
-        """Copy part ``index`` out of chunk ``idx``; True once the message
-        is whole (or, ``skipping``, passed over).  Raises
+    @classmethod
+    def passing_over(cls, total: int, next_index: int, received: int) -> "Assembly":
+        """The rest of a message this reader will not deliver (a wait in
+        its middle failed): its parts are passed over, so that the next
+        message starts where it should."""
+        asm = cls(total, None)
+        asm.next_index, asm.received, asm.skipping = next_index, received, True
+        return asm
+
+    def take(self, ring, idx: int, index: int, total: int, offset: int, length: int,
+             head: tuple | None = None) -> bool:
+        """Copy part ``index`` out of chunk ``idx`` (part 0: with its
+        ``head``, if already read); True once the message is whole (or,
+        ``skipping``, passed over).  Raises
         ``CorruptChunkError`` for a part that does not follow the last one
         or a head that lies, ``MemoryError`` for a message larger than the
         host has (then ``skipping`` while parts of it remain)."""
@@ -155,7 +195,7 @@ class Assembly:
         self.received = end
         if index == 0:
             try:
-                self._open(ring, idx, length, where)
+                self._open(head or read_head(ring, idx, length, total), where)
             except MemoryError:
                 # A well-formed message this reader cannot hold: its other
                 # parts are passed over.  (A head that lies ends the stream
@@ -169,29 +209,8 @@ class Assembly:
                 ring.copy_part(idx, lo - offset, frame, lo - at, hi - lo)
         return end == self.total
 
-    def _open(self, ring, idx: int, length: int, where: str) -> None:
-        # The head: the buffer count, then the lengths; every figure is
-        # checked against the stream before any buffer is allocated.
-        word = bytearray(8)
-        if length < 8:
-            raise CorruptChunkError(f"{where}: part 0 of {length} bytes holds no head")
-        ring.copy_part(idx, 0, word, 0, 8)
-        (n,) = _U64.unpack(word)
-        head = 8 * (1 + n)
-        if n < 1 or head > length or head > self.total:
-            raise CorruptChunkError(f"{where}: a part stream names {n} buffers, which its "
-                                    f"{length}-byte first part cannot list")
-        table = bytearray(8 * n)
-        ring.copy_part(idx, 8, table, 0, 8 * n)
-        words = struct.unpack(f"<{n}Q", table)
-        lens = [w & _LENGTH_MASK for w in words]
-        kinds = [w >> KIND_SHIFT for w in words]
-        if kinds[0] != KIND_BUFFER or max(kinds) > KIND_BYTEARRAY:
-            raise CorruptChunkError(f"{where}: a part stream names a buffer of unknown kind "
-                                    f"({kinds})")
-        if head + sum(lens) != self.total:
-            raise CorruptChunkError(f"{where}: a part stream's buffers add up to "
-                                    f"{head + sum(lens)} bytes, the stream is {self.total}")
+    def _open(self, head: tuple, where: str) -> None:
+        at, lens, kinds = head
         # Asked before any page is allocated: populating more than the host
         # has would wake the OOM killer rather than fail.
         avail = memory_available()
@@ -199,7 +218,6 @@ class Assembly:
             raise MemoryError(f"fastmq: a {self.total}-byte message arrived in parts, more "
                               f"than this host has available now ({avail} bytes); it is "
                               "dropped for this reader")
-        at = head
         for size, kind in zip(lens, kinds):
             if kind == KIND_BYTES:
                 # The object the message holds: written here, before
@@ -213,3 +231,113 @@ class Assembly:
             self.frames.append(frame)
             self._spans.append((at, size, target))
             at += size
+
+
+class PartsAborted(Exception):
+    """The writer stopped the part stream being read (``PartStream``)."""
+
+
+class PartStream:
+    """A message's pickle stream read straight out of the ring's chunks by
+    ``pickle.Unpickler`` (``read``, ``readinto``, ``readline``): no copy of
+    the whole message, no buffer of its size.  The unpickler asks for a
+    frame (64 KiB) at a time, which is copied into a small object that
+    stays in the cache; reassembly writes the whole message to memory and
+    reads it back.
+
+    For a message that is its pickle stream alone (out-of-band buffers
+    follow the stream in the part stream, and the unpickler needs each one
+    where the stream names it), read by a reader that waits without a
+    deadline: an unpickler cannot be suspended, so a timeout in the middle
+    of such a message could only drop it.
+
+    Holds the chunk of the part being read (``idx``) until the next part
+    is needed; ``next_part()`` waits for that one, with the reader's
+    liveness checks, and returns its chunk.  ``release()`` gives back the
+    chunk held.  ``wait_failed``: the last wait for a part raised (the
+    message can still be passed over from ``resume_at()``)."""
+
+    def __init__(self, ring, idx: int, total: int, length: int, head: int, stream_len: int,
+                 next_part):
+        self._ring = ring
+        self.idx = idx              # the chunk held, or None
+        self._next_part = next_part
+        self.total = total
+        self._index = 0             # the part held
+        self._start = 0             # its offset in the part stream
+        self._end = length          # its length
+        self._pos = head            # the next byte to read in it
+        self._left = stream_len     # bytes of the pickle stream not read yet
+        self.wait_failed = False
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._left if n is None or n < 0 else min(n, self._left)
+        obj, target = fresh_bytes(n)
+        self._fill(target, n)
+        return obj
+
+    def readinto(self, buf) -> int:
+        with memoryview(buf) as view, view.cast("B") as out:
+            n = min(out.nbytes, self._left)
+            self._fill(out, n)
+        return n
+
+    def readline(self) -> bytes:
+        # Only the text opcodes of protocols 0-3 read lines; fastmq pickles
+        # with protocol 5, so a byte at a time is enough here.
+        line = bytearray()
+        while self._left and not line.endswith(b"\n"):
+            line += self.read(1)
+        return bytes(line)
+
+    def _fill(self, target, n: int) -> None:
+        at = 0
+        while at < n:
+            if self._pos == self._end:
+                self._advance()
+            k = min(n - at, self._end - self._pos)
+            self._ring.copy_part(self.idx, self._pos, target, at, k)
+            self._pos += k
+            self._left -= k
+            at += k
+
+    def _advance(self) -> None:
+        # The part held is read: its chunk goes back before the next wait,
+        # so the writer can reuse it for a part still to come.
+        ring, expect = self._ring, self._start + self._end
+        if expect >= self.total:
+            raise CorruptChunkError(f"fastmq ring chunk {self.idx}: a pickle stream runs "
+                                    f"past the end of its {self.total}-byte part stream")
+        self.release()
+        try:
+            idx = self._next_part()
+        except BaseException:
+            self.wait_failed = True
+            raise
+        self.idx = idx
+        aborted, index, total, offset, length = ring.part_header(idx)
+        if aborted:
+            raise PartsAborted()
+        if index != self._index + 1 or total != self.total or offset != expect:
+            raise CorruptChunkError(
+                f"fastmq ring chunk {idx}: part {index} at offset {offset} of a {total}-byte "
+                f"stream does not follow part {self._index} (offset {expect} of "
+                f"{self.total})")
+        self._index, self._start, self._end, self._pos = index, offset, length, 0
+
+    def drain(self) -> None:
+        """Pass over what is left of the message (its parts after the end
+        of the pickle), then release the last chunk."""
+        while self._start + self._end < self.total:
+            self._advance()
+        self.release()
+
+    def release(self) -> None:
+        if self.idx is not None:
+            idx, self.idx = self.idx, None
+            self._ring.release_read(idx)
+
+    def resume_at(self) -> tuple[int, int]:
+        """``(next part's index, its offset)``: where a later call picks
+        the message up to pass over the rest of it."""
+        return self._index + 1, self._start + self._end

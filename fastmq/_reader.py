@@ -21,7 +21,7 @@ from fastmq import (_config, _keys, _net, _overflow, _parts, _proc, _seal, _stre
 from fastmq._recv_buffers import BufferPool
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PARTS, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
                           WRITER_DIED, CorruptChunkError)
-from fastmq._serde import decode
+from fastmq._serde import decode, decode_stream
 from fastmq.handle import Handle, HandleMismatchError, is_fastmq_ring, vllm_ring_error
 from fastmq.ring import ShmRingBuffer, dead_peers_note
 
@@ -343,7 +343,9 @@ class LocalReader(_ReaderEnd):
         copied out and its chunk released before the next is awaited.  A
         timeout keeps what arrived (``_parts``) for the next call; an abort
         drops it and returns ``PENDING``, as does the end of a message
-        whose first part was refused."""
+        whose first part was refused.  Without a deadline, a message with
+        no out-of-band buffer is unpickled as its parts come instead
+        (``_load_parts``)."""
         ring = self.ring
         while True:
             if wait:
@@ -352,23 +354,30 @@ class LocalReader(_ReaderEnd):
                     self._keep_waiting(status, indefinite)
             wait = True
             idx = ring.current_idx
-            asm = None
+            asm = stream = None
             try:
                 aborted, index, total, offset, length = ring.part_header(idx)
                 if aborted:
                     self._parts = None
                     return PENDING
                 asm = self._parts
+                head = None
                 if index == 0:
                     if asm is not None:
                         raise CorruptChunkError(
                             f"fastmq ring chunk {idx}: a message's parts start again before "
                             f"its part {asm.next_index}")
-                    asm = self._parts = _parts.Assembly(total, self._part_buffers)
+                    head = _parts.read_head(ring, idx, length, total)
+                    if until is None and len(head[1]) == 1:
+                        # The stream holds the chunk from here on.
+                        stream = _parts.PartStream(ring, idx, total, length, head[0],
+                                                   head[1][0], self._next_part(indefinite))
+                    else:
+                        asm = self._parts = _parts.Assembly(total, self._part_buffers)
                 elif asm is None:
                     raise CorruptChunkError(f"fastmq ring chunk {idx}: part {index} of a "
                                             "message whose first part this reader never saw")
-                done = asm.take(ring, idx, index, total, offset, length)
+                done = stream is None and asm.take(ring, idx, index, total, offset, length, head)
             except BaseException:
                 # A refused first part is passed over to the message's end
                 # (``skipping``); anything else ends the message here.
@@ -376,12 +385,53 @@ class LocalReader(_ReaderEnd):
                     self._parts = None
                 raise
             finally:
-                ring.release_read(idx)
+                if stream is None:
+                    ring.release_read(idx)
+            if stream is not None:
+                return self._load_parts(stream)
             if done:
                 self._parts = None
                 if asm.skipping:
                     return PENDING
                 return decode(memoryview(asm.frames[0]), asm.frames[1:], self.tensor_arena)
+
+    def _next_part(self, indefinite: bool):
+        ring = self.ring
+
+        def wait() -> int:
+            status = ring.wait_next(None)
+            if status != READY:
+                self._keep_waiting(status, indefinite)
+            return ring.current_idx
+        return wait
+
+    def _load_parts(self, stream: _parts.PartStream) -> Any:
+        """The message ``stream`` reads, unpickled as its parts come.  The
+        message is consumed to its end whatever the unpickler does: after
+        an error of its own (a class this process cannot import, say) the
+        next call starts at the next message, as after reassembly."""
+        try:
+            try:
+                obj = decode_stream(stream)
+            except Exception as e:
+                if stream.wait_failed or isinstance(e, (CorruptChunkError, _parts.PartsAborted)):
+                    raise
+                stream.drain()
+                raise
+            stream.drain()
+            return obj
+        except _parts.PartsAborted:
+            stream.release()
+            return PENDING      # the writer dropped the message: read on
+        except BaseException as e:
+            stream.release()
+            if not isinstance(e, CorruptChunkError) and stream.resume_at()[1] < stream.total:
+                # A failed wait (the writer gone, shutdown()) or an
+                # interrupt: a later call passes over what remains of the
+                # message, as after a refused first part.  (A part that
+                # does not follow ends the message here.)
+                self._parts = _parts.Assembly.passing_over(stream.total, *stream.resume_at())
+            raise
 
     def stats(self) -> dict:
         # A reader sends no ZMQ notifies: none can fail.

@@ -76,7 +76,7 @@ from fastmq._native.atomic cimport (
 from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
 from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
 from fastmq._segment cimport Segment
-from pickle import loads as _loads
+from pickle import load as _load, loads as _loads
 
 from fastmq._proc import START_TAG_MASK, is_alive as _process_alive
 
@@ -475,8 +475,16 @@ def decode_frames(stream, list oob=None, arena=None):
     (a view into a ring chunk, or a socket frame) and ``oob`` its
     out-of-band buffers, some of which may be descriptors of ``arena``
     slots (a reader's end, whose ``map_oob`` maps them to views of the
-    slots).  Every message is decoded here, whichever way it came."""
+    slots).  Every message is decoded here or by ``decode_stream``,
+    whichever way it came."""
     return decode(stream, oob, arena)
+
+
+def decode_stream(file):
+    """The object of a message whose pickle stream is read from ``file``
+    as it comes (``fastmq._parts.PartStream``: a message in parts that has
+    no out-of-band buffers)."""
+    return _load(file)
 
 
 cdef object decode(object stream, list oob, object arena):

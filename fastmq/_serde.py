@@ -20,7 +20,7 @@ from typing import Any
 
 from fastmq import _config
 from fastmq._recv_buffers import BufferPool
-from fastmq._ring import decode_frames
+from fastmq._ring import decode_frames, decode_stream
 from fastmq._sink import PickleSink
 
 # The torch module once a tensor has been encoded or decoded (see
@@ -175,5 +175,6 @@ class Encoder:
 
 
 # Every message is decoded by the ring's one decode, whichever way its
-# frames came (a chunk, or a socket).
+# frames came (a chunk, or a socket), or, read from the ring's chunks as
+# they come, by its decode_stream.
 decode = decode_frames

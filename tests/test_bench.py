@@ -112,7 +112,8 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
             assert r["size_bytes"] in p.step_sizes
             assert r["samples"] >= p.step_min
         if r["scenario"] == "tensor":
-            assert r["samples"] == p.tensor_reps and r["size_bytes"] in p.tensor_sizes
+            assert r["samples"] == config.tensor_reps_at(p, r["size_bytes"])
+            assert r["size_bytes"] in p.tensor_sizes
             assert r["first_ms"] > 0
             if r["impl"] != "floor":
                 assert _finite(r["vs_floor"])
@@ -927,3 +928,21 @@ def test_every_generated_table_adds_up(tmp_path):
     assert arithmetic_errors("| a | b |\n| --- | --- |\n| x | 7.17 / 7.75 = 0.98x |\n")
     # The steady-state matrix and the first-use one.
     assert len(_QUOTIENT.findall(texts["RESULTS.md of repeated runs"])) == 4
+
+
+def test_tensor_readers_receive_as_vllms_workers_do():
+    # A worker takes the scheduler's broadcast with dequeue(indefinite=True):
+    # no deadline, which is also what lets fastmq unpickle a long in-band
+    # message as its parts come. The other scenarios' readers keep a timeout.
+    from fastmq.bench import step, tensor
+
+    p = config.preset("quick")
+    calls = []
+
+    def recv(*args, **kw):
+        calls.append((args, kw))
+        return None     # the end of the run
+
+    assert tensor.reader_loop(recv, None, 0, p) == {"received": 0}
+    assert step.reader_loop(recv, None, 0, p) == {"received": 0}
+    assert calls == [((), {"indefinite": True}), ((p.timeout_s,), {})]

@@ -28,7 +28,8 @@ _OPTIONS = (
     ("--sizes", dict(metavar="SIZE[,SIZE]", help="step payload sizes, e.g. 100,1K,64K,1M")),
     ("--tensor-sizes", dict(metavar="SIZE[,SIZE]", help="tensor sizes, e.g. 16M,128M,256M")),
     ("--tensor-reps", dict(type=int, metavar="K", help="tensor: counted messages per size "
-                           "and N (full: 5)")),
+                           "and N from 64 MiB up, proportionally more below (16M: 4K; "
+                           "full: K=5)")),
     ("--idle-window", dict(type=float, metavar="SECONDS", help="wake: idle-CPU window after "
                            "the last message (full: 5 s)")),
     ("--repeat", dict(type=int, metavar="R", help="run everything R times in turn; each "

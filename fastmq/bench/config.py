@@ -42,7 +42,7 @@ class Params:
     # default): the counted messages are the steady state, not the first touch of fresh
     # shared-memory pages (the first message's time is reported separately).
     tensor_warmup: int = 10
-    tensor_reps: int = 4
+    tensor_reps: int = 4            # counted per size from 64 MiB up (tensor_reps_at)
     # wake: one message after the readers went idle (parked).
     wake_samples: int = 10
     wake_warmup: int = 20
@@ -69,6 +69,14 @@ _PRESETS = {
         tensor_sizes=[16 * MiB, 64 * MiB, 256 * MiB], tensor_warmup=9, tensor_reps=5,
         wake_samples=20, wake_warmup=30, idle_window_s=5.0, timeout_s=120.0),
 }
+
+
+def tensor_reps_at(params: Params, size: int) -> int:
+    """Counted tensor messages of ``size`` bytes: ``tensor_reps`` from 64 MiB up, and
+    as many more below as keep the bytes counted the same (16 MiB: four times): a small
+    tensor's round is short, and on an oversubscribed machine a few slow rounds would
+    otherwise decide its p50."""
+    return params.tensor_reps * max(1, (64 * MiB) // max(size, 1))
 
 
 def preset(name: str) -> Params:

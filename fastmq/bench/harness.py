@@ -152,22 +152,26 @@ def reader_main(rank: int, conn, impl, handle, scenario: str, params) -> None:
         conn.close()
 
 
-def receive(recv, timeout: float, expect: int):
+def receive(recv, timeout: float | None, expect: int):
     try:
-        return recv(timeout)
+        # No timeout: the call vLLM's workers make (dequeue(indefinite=True)); a
+        # lost message then shows at the writer, which waits for answers in time.
+        return recv(timeout) if timeout is not None else recv(indefinite=True)
     except TimeoutError:
         raise VerifyError(f"message {expect} never arrived (waited {timeout:.0f} s): lost, "
                           "or the writer stalled") from None
 
 
 def serve(recv, reply, rank: int, params, kind: str, answer, timeout: float | None = None,
-          stamp: bool = False) -> dict:
-    """Every scenario's reader: numbers in order, ``answer`` checks the content."""
+          stamp: bool = False, worker_call: bool = False) -> dict:
+    """Every scenario's reader: numbers in order, ``answer`` checks the content.
+    ``worker_call``: receive as vLLM's workers do, without a timeout."""
     timeout = timeout or params.timeout_s
+    wait = None if worker_call else timeout
     now = time.clock_gettime_ns
     expect = 1
     while True:
-        m = receive(recv, timeout, expect)
+        m = receive(recv, wait, expect)
         t = now(time.CLOCK_MONOTONIC) if stamp else 0
         if m is None:
             return {"received": expect - 1}

@@ -7,7 +7,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from fastmq.bench import impls as impls_mod
-from fastmq.bench.config import MiB
+from fastmq.bench.config import MiB, tensor_reps_at
 from fastmq.bench.harness import (BenchError, VerifyError, attached, bench_segment, checksum,
                                   groups, list_checksum, record, serve, tensor_expected)
 from fastmq.bench.scenario import Line, Scenario, num, ratio, spread
@@ -29,11 +29,14 @@ def _notes(rs, records) -> list[str]:
             "bytes object, pickled in-band (no out-of-band buffer, no arena); +list: the same "
             f"bytes as a list of {impls_mod.LIST_ITEM}-byte bytes objects, pickled in-band "
             "(each reader sums its words in place, about a MiB at a time: no copy of the "
-            "whole list).",
+            "whole list). Readers receive as vLLM's workers do, with dequeue(indefinite=True): "
+            "no deadline, so fastmq unpickles an in-band list that comes in parts as its "
+            "parts arrive.",
             *impls_mod.remote_notes(names),
             *(["floor: one single-threaded memcpy into a pre-faulted shared segment plus "
                "every reader's read of every byte."] if "floor" in names else []),
-            f"p50/min/max after {rs[0]['warmup']} warm-up messages per run; first ms = a "
+            f"p50/min/max after {rs[0]['warmup']} warm-up messages per run, over "
+            "the counted ones (16 MiB: four times as many as from 64 MiB up); first ms = a "
             "run's first message (it also touches fresh pages); shm held = the shared "
             "memory the ring and arena hold after all sizes (fastmq.shm_usage)."]
 
@@ -108,7 +111,7 @@ def run(env, impls, params, progress) -> list[dict]:
                 n_elem = size // 8
                 t = torch.arange(n_elem, dtype=torch.int64)
                 samples, first = [], None
-                for rep in range(params.tensor_warmup + params.tensor_reps):
+                for rep in range(params.tensor_warmup + tensor_reps_at(params, size)):
                     seq += 1
                     t[0], t[-1] = seq, n_elem - 1 + seq
                     total = tensor_expected(n_elem, seq)
@@ -184,4 +187,5 @@ def _answer(seq, t, _):
 
 
 def reader_loop(recv, reply, rank: int, params):
-    return serve(recv, reply, rank, params, "tensor", _answer)
+    # Large tensors are what a worker receives from the scheduler: its call.
+    return serve(recv, reply, rank, params, "tensor", _answer, worker_call=True)

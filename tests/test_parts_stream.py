@@ -1,0 +1,196 @@
+"""A message in parts that is its pickle stream alone (a long list of small
+objects), read by a reader that waits without a deadline (vLLM's workers:
+dequeue(indefinite=True)), is unpickled straight from the ring's chunks
+(fastmq._parts.PartStream): no buffer of the message's size, and every way
+out of the middle of it leaves the queue where the next message starts."""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import threading
+
+import pytest
+
+from _parts_children import partial_writer_main
+from _queues import local_pair
+from fastmq import MessageQueue
+from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
+
+CHUNK = 1 << 18
+PAYLOAD = CHUNK - PART_HEAD_BYTES
+
+
+def _items(seed: int, n: int = 20000) -> list:
+    # About 2 MiB of pickle stream (more than the reader's pool starts at):
+    # nine parts of a 256 KiB chunk.
+    return [bytes([(seed + i) % 251]) * 100 for i in range(n)]
+
+
+class _CountingPool:
+    """The reader's pool of reassembly buffers, counting what is taken."""
+
+    def __init__(self, pool):
+        self._pool, self.taken = pool, []
+
+    def take(self, n):
+        self.taken.append(n)
+        return self._pool.take(n)
+
+
+def _blocking(r, limit: float = 30.0):
+    """``r.dequeue(indefinite=True)`` (no deadline), in a thread so that a
+    hang fails the test instead of stalling it (shutdown() frees it)."""
+    out = {}
+
+    def run():
+        try:
+            out["got"] = r.dequeue(indefinite=True)
+        except BaseException as e:
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit)
+    if t.is_alive():
+        r.shutdown()
+        t.join(10)
+        raise AssertionError("dequeue() without a deadline did not return")
+    if "error" in out:
+        raise out["error"]
+    return out["got"]
+
+
+def _raw_part(w, kind=2, index=0, total=100, offset=0, length=100, payload=b""):
+    with w.acquire_write(timeout=5) as buf:
+        struct.pack_into("<B3xIQQQ", buf, 0, kind, index, total, offset, length)
+        buf[PART_HEAD_BYTES:PART_HEAD_BYTES + len(payload)] = payload
+
+
+def _pickled_parts(obj):
+    p = pickle.dumps(obj, protocol=5)
+    stream = struct.pack("<2Q", 1, len(p)) + p
+    return len(stream), [stream[i:i + PAYLOAD] for i in range(0, len(stream), PAYLOAD)]
+
+
+def test_no_reassembly_buffer_without_a_deadline_and_one_with_it():
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
+    pool = r._end._part_buffers = _CountingPool(r._end._part_buffers)
+    for seed in range(3):
+        w.enqueue(_items(seed), timeout=5)       # fits the free ring: in parts
+        assert _blocking(r) == _items(seed)
+    assert pool.taken == []
+    # With a timeout the message is copied out first (a timeout in its
+    # middle keeps what came): one buffer of the stream's size.
+    w.enqueue(_items(7), timeout=5)
+    assert r.dequeue(timeout=5) == _items(7)
+    assert pool.taken == [len(pickle.dumps(_items(7), protocol=5))]
+    assert w.stats()["parts_messages"] == 4
+    w.enqueue("after", timeout=5)
+    assert _blocking(r) == "after"
+
+
+def test_streamed_to_two_readers_through_a_ring_smaller_than_the_message():
+    # 4 chunks, a message of nine parts: the writer reuses each chunk as both
+    # readers release it, which a streaming reader does part by part.
+    w, rs = local_pair(2, max_chunk_bytes=CHUNK, max_chunks=4, enable_shm_tensor_arena=False)
+    ring, got = w._end.ring, {}
+
+    def read(k):
+        got[k] = _blocking(rs[k])
+
+    for seed in range(3):
+        ts = [threading.Thread(target=read, args=(k,)) for k in (0, 1)]
+        for t in ts:
+            t.start()
+        while not ring.readers_waiting():
+            threading.Event().wait(0.001)
+        w.enqueue(_items(seed), timeout=30)
+        for t in ts:
+            t.join(30)
+        assert got == {0: _items(seed), 1: _items(seed)}
+    st = w.stats()
+    assert (st["parts_messages"], st["overflow_messages"]) == (3, 0)
+
+
+class _Refused:
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def _refuse():
+    raise LookupError("this object refuses to be unpickled")
+
+
+def test_an_unpickling_error_in_the_middle_consumes_the_rest_of_the_message():
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
+    bad = _items(1, 10000) + [_Refused()] + _items(2, 10000)
+    w.enqueue(bad, timeout=5)
+    w.enqueue(_items(3), timeout=5)
+    with pytest.raises(LookupError, match="refuses"):
+        _blocking(r)
+    assert r._end._parts is None
+    assert _blocking(r) == _items(3)
+
+
+def test_a_send_stopped_between_parts_is_dropped_by_a_streaming_reader():
+    from test_parts import _FailingRing
+
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
+    ring = w._end.ring
+    w._end.ring = _FailingRing(ring, fail_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        w.enqueue(_items(1), timeout=5)
+    w._end.ring = ring
+    w.enqueue("next", timeout=5)
+    w.enqueue(_items(2), timeout=5)
+    assert _blocking(r) == "next"                # the stopped message: dropped
+    assert _blocking(r) == _items(2)
+    assert r._end._parts is None
+
+
+@pytest.mark.parametrize("lie", [dict(index=5), dict(offset=1), dict(total=1 << 30)],
+                         ids=["index", "offset", "total"])
+def test_a_part_that_does_not_follow_raises_and_the_queue_stays_usable(lie):
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=8, enable_shm_tensor_arena=False)
+    total, parts = _pickled_parts(_items(4))
+    _raw_part(w, index=0, total=total, offset=0, length=len(parts[0]), payload=parts[0])
+    part1 = dict(index=1, total=total, offset=PAYLOAD, length=len(parts[1]), payload=parts[1])
+    _raw_part(w, **{**part1, **lie})
+    with pytest.raises(CorruptChunkError, match="does not follow"):
+        _blocking(r)
+    assert r._end._parts is None
+    w.enqueue(("after", 1), timeout=5)
+    assert _blocking(r) == ("after", 1)
+
+
+def test_a_failed_wait_in_the_middle_passes_over_the_rest_on_the_next_call():
+    # The writer stops between two parts; shutdown() ends the reader's wait
+    # for the next one.  The message cannot be delivered any more: what
+    # remains of it is passed over by a later call (here: none comes).
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=8, enable_shm_tensor_arena=False)
+    total, parts = _pickled_parts(_items(5))
+    for i in (0, 1):
+        _raw_part(w, index=i, total=total, offset=i * PAYLOAD, length=len(parts[i]),
+                  payload=parts[i])
+    threading.Timer(0.3, r.shutdown).start()
+    with pytest.raises(RuntimeError, match="cancelled"):
+        _blocking(r)
+    asm = r._end._parts
+    assert asm.skipping and (asm.next_index, asm.received) == (2, 2 * PAYLOAD)
+
+
+def test_writer_killed_in_the_middle_of_a_streamed_message(procs, spawn_ctx):
+    q = spawn_ctx.Queue()
+    p = procs.start(partial_writer_main, q, CHUNK)
+    r = MessageQueue.create_from_handle(q.get(timeout=60), 0)
+    r.wait_until_ready()
+    try:
+        assert q.get(timeout=60) == "part 0 out"
+        threading.Timer(0.3, os.kill, (p.pid, signal.SIGKILL)).start()
+        with pytest.raises(RuntimeError, match="died"):
+            _blocking(r)
+        p.join(10)
+    finally:
+        r.shutdown()
