@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import struct
 
+from fastmq._piecewise import PiecewiseFile
 from fastmq._recv_buffers import POOLED_MIN_BYTES, fresh_bytearray, fresh_bytes
 from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
 from fastmq._segment import memory_available
@@ -237,69 +238,33 @@ class PartsAborted(Exception):
     """The writer stopped the part stream being read (``PartStream``)."""
 
 
-class PartStream:
-    """A message's pickle stream read straight out of the ring's chunks by
-    ``pickle.Unpickler`` (``read``, ``readinto``, ``readline``): no copy of
-    the whole message, no buffer of its size.  The unpickler asks for a
-    frame (64 KiB) at a time, which is copied into a small object that
-    stays in the cache; reassembly writes the whole message to memory and
-    reads it back.
-
-    For a message that is its pickle stream alone (out-of-band buffers
-    follow the stream in the part stream, and the unpickler needs each one
-    where the stream names it), read by a reader that waits without a
-    deadline: an unpickler cannot be suspended, so a timeout in the middle
-    of such a message could only drop it.
+class PartStream(PiecewiseFile):
+    """A message's pickle stream unpickled straight out of the ring's
+    chunks (``fastmq._piecewise``): a message that is its pickle stream
+    alone (out-of-band buffers follow the stream, and the unpickler needs
+    each one where the stream names it), read without a deadline.
 
     Holds the chunk of the part being read (``idx``) until the next part
     is needed; ``next_part()`` waits for that one, with the reader's
-    liveness checks, and returns its chunk.  ``release()`` gives back the
-    chunk held.  ``wait_failed``: the last wait for a part raised (the
-    message can still be passed over from ``resume_at()``)."""
+    liveness checks, and returns its chunk.  ``abandon()`` leaves the rest
+    of the message to the reader's next call (``passing_over``), which it
+    sets through ``keep(assembly)``."""
 
     def __init__(self, ring, idx: int, total: int, length: int, head: int, stream_len: int,
-                 next_part):
+                 next_part, keep):
         self._ring = ring
         self.idx = idx              # the chunk held, or None
         self._next_part = next_part
+        self._keep = keep
         self.total = total
         self._index = 0             # the part held
         self._start = 0             # its offset in the part stream
         self._end = length          # its length
-        self._pos = head            # the next byte to read in it
-        self._left = stream_len     # bytes of the pickle stream not read yet
-        self.wait_failed = False
+        self._pos = head
+        self._left = stream_len
 
-    def read(self, n: int = -1) -> bytes:
-        n = self._left if n is None or n < 0 else min(n, self._left)
-        obj, target = fresh_bytes(n)
-        self._fill(target, n)
-        return obj
-
-    def readinto(self, buf) -> int:
-        with memoryview(buf) as view, view.cast("B") as out:
-            n = min(out.nbytes, self._left)
-            self._fill(out, n)
-        return n
-
-    def readline(self) -> bytes:
-        # Only the text opcodes of protocols 0-3 read lines; fastmq pickles
-        # with protocol 5, so a byte at a time is enough here.
-        line = bytearray()
-        while self._left and not line.endswith(b"\n"):
-            line += self.read(1)
-        return bytes(line)
-
-    def _fill(self, target, n: int) -> None:
-        at = 0
-        while at < n:
-            if self._pos == self._end:
-                self._advance()
-            k = min(n - at, self._end - self._pos)
-            self._ring.copy_part(self.idx, self._pos, target, at, k)
-            self._pos += k
-            self._left -= k
-            at += k
+    def _copy(self, target, at: int, k: int) -> None:
+        self._ring.copy_part(self.idx, self._pos, target, at, k)
 
     def _advance(self) -> None:
         # The part held is read: its chunk goes back before the next wait,
@@ -308,13 +273,8 @@ class PartStream:
         if expect >= self.total:
             raise CorruptChunkError(f"fastmq ring chunk {self.idx}: a pickle stream runs "
                                     f"past the end of its {self.total}-byte part stream")
-        self.release()
-        try:
-            idx = self._next_part()
-        except BaseException:
-            self.wait_failed = True
-            raise
-        self.idx = idx
+        self._release()
+        self.idx = idx = self._next_part()
         aborted, index, total, offset, length = ring.part_header(idx)
         if aborted:
             raise PartsAborted()
@@ -325,19 +285,25 @@ class PartStream:
                 f"{self.total})")
         self._index, self._start, self._end, self._pos = index, offset, length, 0
 
-    def drain(self) -> None:
+    def finish(self) -> None:
         """Pass over what is left of the message (its parts after the end
         of the pickle), then release the last chunk."""
         while self._start + self._end < self.total:
             self._advance()
-        self.release()
+        self._release()
 
-    def release(self) -> None:
+    def abandon(self, error: BaseException) -> None:
+        # A failed wait (the writer gone, shutdown()) or an interrupt: the
+        # next call passes over what remains, as after a refused first
+        # part.  A part that does not follow, or an abort, ends the
+        # message here.
+        self._release()
+        rest = self._start + self._end < self.total
+        if rest and not isinstance(error, (CorruptChunkError, PartsAborted)):
+            self._keep(Assembly.passing_over(self.total, self._index + 1,
+                                             self._start + self._end))
+
+    def _release(self) -> None:
         if self.idx is not None:
             idx, self.idx = self.idx, None
             self._ring.release_read(idx)
-
-    def resume_at(self) -> tuple[int, int]:
-        """``(next part's index, its offset)``: where a later call picks
-        the message up to pass over the rest of it."""
-        return self._index + 1, self._start + self._end

@@ -16,12 +16,12 @@ from typing import Any, Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastmq import (_config, _keys, _net, _overflow, _parts, _proc, _seal, _stream,
-                    _subscribers, _wire)
+from fastmq import (_config, _keys, _net, _overflow, _parts, _piecewise, _proc, _seal,
+                    _stream, _subscribers, _wire)
 from fastmq._recv_buffers import BufferPool
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PARTS, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
                           WRITER_DIED, CorruptChunkError)
-from fastmq._serde import decode, decode_stream
+from fastmq._serde import decode
 from fastmq.handle import Handle, HandleMismatchError, is_fastmq_ring, vllm_ring_error
 from fastmq.ring import ShmRingBuffer, dead_peers_note
 
@@ -371,7 +371,8 @@ class LocalReader(_ReaderEnd):
                     if until is None and len(head[1]) == 1:
                         # The stream holds the chunk from here on.
                         stream = _parts.PartStream(ring, idx, total, length, head[0],
-                                                   head[1][0], self._next_part(indefinite))
+                                                   head[1][0], self._next_part(indefinite),
+                                                   self._keep_parts)
                     else:
                         asm = self._parts = _parts.Assembly(total, self._part_buffers)
                 elif asm is None:
@@ -388,7 +389,10 @@ class LocalReader(_ReaderEnd):
                 if stream is None:
                     ring.release_read(idx)
             if stream is not None:
-                return self._load_parts(stream)
+                try:
+                    return _piecewise.unpickle(stream)
+                except _parts.PartsAborted:
+                    return PENDING      # the writer dropped the message: read on
             if done:
                 self._parts = None
                 if asm.skipping:
@@ -405,33 +409,8 @@ class LocalReader(_ReaderEnd):
             return ring.current_idx
         return wait
 
-    def _load_parts(self, stream: _parts.PartStream) -> Any:
-        """The message ``stream`` reads, unpickled as its parts come.  The
-        message is consumed to its end whatever the unpickler does: after
-        an error of its own (a class this process cannot import, say) the
-        next call starts at the next message, as after reassembly."""
-        try:
-            try:
-                obj = decode_stream(stream)
-            except Exception as e:
-                if stream.wait_failed or isinstance(e, (CorruptChunkError, _parts.PartsAborted)):
-                    raise
-                stream.drain()
-                raise
-            stream.drain()
-            return obj
-        except _parts.PartsAborted:
-            stream.release()
-            return PENDING      # the writer dropped the message: read on
-        except BaseException as e:
-            stream.release()
-            if not isinstance(e, CorruptChunkError) and stream.resume_at()[1] < stream.total:
-                # A failed wait (the writer gone, shutdown()) or an
-                # interrupt: a later call passes over what remains of the
-                # message, as after a refused first part.  (A part that
-                # does not follow ends the message here.)
-                self._parts = _parts.Assembly.passing_over(stream.total, *stream.resume_at())
-            raise
+    def _keep_parts(self, asm: _parts.Assembly) -> None:
+        self._parts = asm
 
     def stats(self) -> dict:
         # A reader sends no ZMQ notifies: none can fail.
@@ -494,8 +473,14 @@ class RemoteReader:
 
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
         stream = self.stream
+        until = _overflow.deadline(timeout)
         try:
-            main, *oob = stream.recv(_overflow.deadline(timeout))
+            # Without a deadline a large message of one frame is unpickled
+            # as its segments come (fastmq._piecewise).
+            got = stream.recv(until, stream=until is None)
+            if isinstance(got, _stream.SegmentStream):
+                return _piecewise.unpickle(got)
+            main, *oob = got
         except _stream.StreamEnded as e:
             raise WriterGoneError(f"fastmq: {self._writer()} shut the queue down after message "
                                   f"{e.last_seq}; every message it sent was received",

@@ -22,6 +22,7 @@ import time
 
 from fastmq import _keys, _seal, _wire
 from fastmq._recv_buffers import BufferPool
+from fastmq._piecewise import PiecewiseFile
 from fastmq._ring import CorruptChunkError
 from fastmq._wire import (CHALLENGE, END, HEAD, HELLO, MAGIC, PREAMBLE, READY, SEGMENT_BYTES,
                           SEGMENTED, WHOLE, WHOLE_BYTES, PeerGone, WriterSpeaksZMTP)
@@ -73,6 +74,8 @@ class Stream:
         # decrypted into its frame; one for the stream's life (its pages
         # stay mapped and warm, segment after segment).
         self._ciphertext: memoryview | None = None
+        # A streamed message's segment lands here (SegmentStream).
+        self._segment_memory: memoryview | None = None
         self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
         self._received = 0   # bytes received so far (how _drive sees progress)
         self.last_seq = 0    # the last message taken
@@ -261,8 +264,11 @@ class Stream:
             self.seal = _seal.Seal(self.security, key)
 
     # -- messages --------------------------------------------------------------------
-    def recv(self, until: float | None) -> list:
-        """The frames of the next message (bytearrays, checked); raises
+    def recv(self, until: float | None, stream: bool = False) -> list | SegmentStream:
+        """The frames of the next message (bytearrays, checked), or, with
+        ``stream``, for a message of one frame of more than a segment, a
+        ``SegmentStream`` that the caller unpickles (``fastmq._piecewise``;
+        its frame is received as it is read).  Raises
         ``TimeoutError`` (resumable), ``RuntimeError("cancelled")``,
         ``StreamEnded`` (the writer closed the queue), ``PeerGone`` (the
         connection closed without the end of the stream),
@@ -275,7 +281,12 @@ class Stream:
                                f"failed a check earlier ({self._failed}); nothing after it "
                                "can be trusted") from None
         if self._step is None:
-            self._step = self._message()
+            self._step = self._message(stream)
+        return self._run(until)
+
+    def _run(self, until: float | None):
+        """``_drive`` the step in progress; what a failure leaves is the
+        same for a message and for a segment of a streamed one."""
         try:
             frames = self._drive(self._step, until)
         except (TimeoutError, RuntimeError) as e:
@@ -295,7 +306,7 @@ class Stream:
         self._step = None
         return frames
 
-    def _message(self):
+    def _message(self, stream: bool = False):
         seal = self.seal
         t = seal.tag_bytes
         yield from self._ensure(HEAD.size)
@@ -347,35 +358,44 @@ class Stream:
             raise CorruptChunkError(f"fastmq: remote reader: a malformed message header: "
                                     f"message {seq} claims {total} bytes")
         self._check_counter(counter, seq)
+        if stream and n == 1 and total > SEGMENT_BYTES:
+            # The caller unpickles it segment by segment (SegmentStream).
+            return SegmentStream(self, counter, seq, total)
         frames = []
         index = 0
-        tag_buf = bytearray(t)
         for length in lengths:
             frame = self._frame_buffer(length)
             out = memoryview(frame)
             for off in range(0, length, SEGMENT_BYTES):
-                seg = out[off:off + SEGMENT_BYTES]
-                if seal.encrypting:
-                    if self._ciphertext is None:
-                        self._ciphertext = memoryview(bytearray(SEGMENT_BYTES + t))
-                    w = self._ciphertext[:len(seg) + t]
-                    yield from self._read_into(w)
-                    ok = seal.decrypt_into(counter, index, w, seg)
-                else:
-                    yield from self._read_into(seg)
-                    ok = True
-                    if t:
-                        # Tagged before the writer's tag is read: the writer
-                        # sends it after the segment, once it has computed it
-                        # too (Outgoing.batch), and both run at once.
-                        expected = seal.tag(counter, index, seg)
-                        yield from self._read_into(memoryview(tag_buf))
-                        ok = seal.matches(expected, tag_buf)
-                if not ok:
-                    raise self._unauthentic(seq)
+                yield from self._segment(counter, seq, index, out[off:off + SEGMENT_BYTES])
                 index += 1
             frames.append(frame)
         return frames
+
+    def _segment(self, counter: int, seq: int, index: int, seg: memoryview):
+        """Generator: segment ``index`` of message ``seq`` into ``seg``,
+        checked (a tag that does not check raises)."""
+        seal = self.seal
+        t = seal.tag_bytes
+        if seal.encrypting:
+            if self._ciphertext is None:
+                self._ciphertext = memoryview(bytearray(SEGMENT_BYTES + t))
+            w = self._ciphertext[:len(seg) + t]
+            yield from self._read_into(w)
+            ok = seal.decrypt_into(counter, index, w, seg)
+        else:
+            yield from self._read_into(seg)
+            ok = True
+            if t:
+                # Tagged before the writer's tag is read: the writer sends it
+                # after the segment, once it has computed it too
+                # (Outgoing.batch), and both run at once.
+                expected = seal.tag(counter, index, seg)
+                tag = bytearray(t)
+                yield from self._read_into(memoryview(tag))
+                ok = seal.matches(expected, tag)
+        if not ok:
+            raise self._unauthentic(seq)
 
     def _frame_buffer(self, length: int):
         """Writable memory for a received frame.  A large one comes from
@@ -408,3 +428,68 @@ class Stream:
             self.sock.close()
         except OSError:
             pass
+
+
+class SegmentStream(PiecewiseFile):
+    """The one frame (a pickle stream) of a large message, received and
+    checked a segment at a time as the unpickler reads it
+    (``fastmq._piecewise``), into one segment's memory kept by the stream:
+    no buffer of the message's size.  Every segment's tag is checked before
+    a byte of it is read, as for a message received whole.
+
+    ``finish()`` receives (and checks) the rest of the frame; ``abandon()``
+    leaves it to the stream's next ``recv``, which passes over it first.
+    After a failed check the stream is broken for good, as ever."""
+
+    def __init__(self, stream: Stream, counter: int, seq: int, length: int):
+        self._stream = stream
+        self._counter, self._seq = counter, seq
+        self._length = self._left = length
+        self._index = 0                 # the next segment
+        self._pending = None            # the receive of the last one asked for
+        if stream._segment_memory is None:
+            stream._segment_memory = memoryview(bytearray(SEGMENT_BYTES))
+        self._seg = stream._segment_memory
+
+    def _next_segment(self):
+        """Generator: the next segment into the stream's segment memory."""
+        start = self._index * SEGMENT_BYTES
+        n = min(SEGMENT_BYTES, self._length - start)
+        if n <= 0:
+            raise CorruptChunkError(f"fastmq: remote reader: message {self._seq} read past "
+                                    "the end of its frame")
+        yield from self._stream._segment(self._counter, self._seq, self._index,
+                                         self._seg[:n])
+        self._index += 1
+        self._pos, self._end = 0, n
+
+    def _advance(self) -> None:
+        stream = self._stream
+        stream._step = self._pending = self._next_segment()
+        stream._run(None)
+
+    def _copy(self, target, at: int, k: int) -> None:
+        with memoryview(target) as out:
+            out[at:at + k] = self._seg[self._pos:self._pos + k]
+
+    def finish(self) -> None:
+        while self._index * SEGMENT_BYTES < self._length:
+            self._advance()
+
+    def abandon(self, error: BaseException) -> None:
+        # A segment half-received (a wait cancelled) is finished first; a
+        # failed check or a closed connection leaves nothing to resume.
+        stream = self._stream
+        if stream._failed is not None or isinstance(error, PeerGone):
+            stream._step = None
+            return
+        stream._step = self._pass_over(self._pending)
+
+    def _pass_over(self, pending):
+        """Generator: the rest of this message received, checked and
+        dropped; then the next message."""
+        if pending is not None:
+            yield from pending
+        while self._index * SEGMENT_BYTES < self._length:
+            yield from self._next_segment()
+        return (yield from self._stream._message())

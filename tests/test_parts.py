@@ -379,19 +379,30 @@ def test_reader_timeout_between_parts_resumes():
     assert r.dequeue(timeout=5) == "after"
 
 
-def test_writer_killed_between_parts(procs, spawn_ctx):
+@pytest.mark.parametrize("deadline", [True, False], ids=["timeout", "no-deadline"])
+def test_writer_killed_between_parts(procs, spawn_ctx, deadline):
     q = spawn_ctx.Queue()
     p = procs.start(partial_writer_main, q, CHUNK)
     r = MessageQueue.create_from_handle(q.get(timeout=60), 0)
     r.wait_until_ready()
     try:
         assert q.get(timeout=60) == "part 0 out"
-        with pytest.raises(TimeoutError):
-            r.dequeue(timeout=0.3)
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(10)
-        with pytest.raises(RuntimeError, match="died"):
-            r.dequeue(timeout=10)
+        if deadline:
+            with pytest.raises(TimeoutError):
+                r.dequeue(timeout=0.3)
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            with pytest.raises(RuntimeError, match="died"):
+                r.dequeue(timeout=10)
+        else:
+            # Unpickled as it comes (test_piecewise): the reader waits in
+            # the middle of the message when the writer is killed.
+            from test_piecewise import _blocking
+
+            threading.Timer(0.3, os.kill, (p.pid, signal.SIGKILL)).start()
+            with pytest.raises(RuntimeError, match="died"):
+                _blocking(r)
+            p.join(10)
     finally:
         r.shutdown()
 

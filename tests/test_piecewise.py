@@ -1,22 +1,22 @@
-"""A message in parts that is its pickle stream alone (a long list of small
+"""A large message that is its pickle stream alone (a long list of small
 objects), read by a reader that waits without a deadline (vLLM's workers:
-dequeue(indefinite=True)), is unpickled straight from the ring's chunks
-(fastmq._parts.PartStream): no buffer of the message's size, and every way
-out of the middle of it leaves the queue where the next message starts."""
+dequeue(indefinite=True)), is unpickled as it arrives (fastmq._piecewise):
+straight from the ring's chunks (fastmq._parts.PartStream), or a remote
+one a checked segment at a time (fastmq._stream.SegmentStream).  No buffer
+of the message's size, every tag checked before its bytes are used, and
+every way out of the middle of it leaves the queue where the next message
+starts."""
 from __future__ import annotations
 
-import os
 import pickle
-import signal
 import struct
 import threading
 
 import pytest
 
-from _parts_children import partial_writer_main
 from _queues import local_pair
-from fastmq import MessageQueue
 from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
+from test_parts import _FailingRing, _raw_part
 
 CHUNK = 1 << 18
 PAYLOAD = CHUNK - PART_HEAD_BYTES
@@ -60,12 +60,6 @@ def _blocking(r, limit: float = 30.0):
     if "error" in out:
         raise out["error"]
     return out["got"]
-
-
-def _raw_part(w, kind=2, index=0, total=100, offset=0, length=100, payload=b""):
-    with w.acquire_write(timeout=5) as buf:
-        struct.pack_into("<B3xIQQQ", buf, 0, kind, index, total, offset, length)
-        buf[PART_HEAD_BYTES:PART_HEAD_BYTES + len(payload)] = payload
 
 
 def _pickled_parts(obj):
@@ -123,6 +117,15 @@ def _refuse():
     raise LookupError("this object refuses to be unpickled")
 
 
+class _Interrupts:
+    def __reduce__(self):
+        return (_interrupt, ())
+
+
+def _interrupt():
+    raise KeyboardInterrupt
+
+
 def test_an_unpickling_error_in_the_middle_consumes_the_rest_of_the_message():
     w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
     bad = _items(1, 10000) + [_Refused()] + _items(2, 10000)
@@ -135,8 +138,6 @@ def test_an_unpickling_error_in_the_middle_consumes_the_rest_of_the_message():
 
 
 def test_a_send_stopped_between_parts_is_dropped_by_a_streaming_reader():
-    from test_parts import _FailingRing
-
     w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
     ring = w._end.ring
     w._end.ring = _FailingRing(ring, fail_at=3)
@@ -147,6 +148,20 @@ def test_a_send_stopped_between_parts_is_dropped_by_a_streaming_reader():
     w.enqueue(_items(2), timeout=5)
     assert _blocking(r) == "next"                # the stopped message: dropped
     assert _blocking(r) == _items(2)
+    assert r._end._parts is None
+
+
+def test_an_interrupt_in_the_middle_drops_that_message_and_the_next_comes():
+    # The unpickler cannot resume: the interrupted message is lost to this
+    # reader (it was being delivered when the caller stopped it), and the
+    # next call passes over what remains of it.
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
+    w.enqueue(_items(1, 3000) + [_Interrupts()] + _items(2, 17000), timeout=5)
+    w.enqueue(_items(3), timeout=5)
+    with pytest.raises(KeyboardInterrupt):
+        _blocking(r)
+    assert r._end._parts.skipping
+    assert _blocking(r) == _items(3)
     assert r._end._parts is None
 
 
@@ -181,16 +196,78 @@ def test_a_failed_wait_in_the_middle_passes_over_the_rest_on_the_next_call():
     assert asm.skipping and (asm.next_index, asm.received) == (2, 2 * PAYLOAD)
 
 
-def test_writer_killed_in_the_middle_of_a_streamed_message(procs, spawn_ctx):
-    q = spawn_ctx.Queue()
-    p = procs.start(partial_writer_main, q, CHUNK)
-    r = MessageQueue.create_from_handle(q.get(timeout=60), 0)
-    r.wait_until_ready()
-    try:
-        assert q.get(timeout=60) == "part 0 out"
-        threading.Timer(0.3, os.kill, (p.pid, signal.SIGKILL)).start()
-        with pytest.raises(RuntimeError, match="died"):
-            _blocking(r)
-        p.join(10)
-    finally:
-        r.shutdown()
+# -- remote readers --------------------------------------------------------------------
+
+
+def _remote(security: str, relay=None):
+    if relay is None:
+        w, (r,) = local_pair(0, 1, remote_security=security)
+        return w, r
+    from test_remote_security import _through_middle
+    return _through_middle(relay, security)
+
+
+def _send(w, *msgs):
+    def run():
+        for m in msgs:
+            try:
+                w.enqueue(m, timeout=30)
+            except RuntimeError:
+                return   # the reader hung up (a forgery it refused)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("security", ["mac", "encrypt", "none"])
+def test_a_remote_reader_without_a_deadline_unpickles_segment_by_segment(security):
+    w, r = _remote(security)
+    stream = r._end.stream
+    pool = stream.buffers = _CountingPool(stream.buffers)
+    big = _items(1, 40000)                      # about 4 MiB: four segments and a bit
+    t = _send(w, big, big, "small", _items(2, 40000))
+    assert _blocking(r) == big
+    assert pool.taken == []
+    # With a deadline it is received whole first (resumable after a timeout).
+    assert r.dequeue(timeout=30) == big
+    assert pool.taken == [len(pickle.dumps(big, protocol=5))]
+    assert _blocking(r) == "small"
+    assert _blocking(r) == _items(2, 40000)
+    t.join(30)
+
+
+def test_a_remote_unpickling_error_or_interrupt_in_the_middle_leaves_the_next_message():
+    w, r = _remote("mac")
+    t = _send(w, _items(1, 20000) + [_Refused()] + _items(2, 20000),
+              _items(3, 20000) + [_Interrupts()] + _items(4, 20000), _items(5, 40000))
+    with pytest.raises(LookupError, match="refuses"):
+        _blocking(r)
+    with pytest.raises(KeyboardInterrupt):
+        _blocking(r)
+    assert _blocking(r) == _items(5, 40000)
+    t.join(30)
+
+
+@pytest.mark.parametrize("security", ["mac", "encrypt"])
+def test_a_changed_byte_in_a_later_segment_is_refused_and_the_stream_stays_refused(security):
+    from fastmq._stream import StreamBroken
+
+    seen = []
+
+    def flip_past_2mib(data):
+        # One byte changed once 2 MiB have gone by: the first segments
+        # check, the unpickler takes them, and then a tag fails.
+        before = sum(seen)
+        seen.append(len(data))
+        at = (2 << 20) + 100 - before
+        if 0 <= at < len(data):
+            data = data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
+        return data
+
+    w, r = _remote(security, flip_past_2mib)
+    _send(w, _items(1, 40000), "after")
+    with pytest.raises(CorruptChunkError, match="failed authentication"):
+        _blocking(r)
+    with pytest.raises(StreamBroken, match="failed a check earlier"):
+        _blocking(r)
