@@ -482,8 +482,8 @@ def decode_frames(stream, list oob=None, arena=None):
 
 def decode_stream(file):
     """The object of a message whose pickle stream is read from ``file``
-    as it comes (``fastmq._parts.PartStream``: a message in parts that has
-    no out-of-band buffers)."""
+    as it arrives (``fastmq._piecewise``: the ring's parts, or a remote
+    message's checked segments, of a message with no out-of-band buffer)."""
     return _load(file)
 
 

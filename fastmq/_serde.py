@@ -175,6 +175,6 @@ class Encoder:
 
 
 # Every message is decoded by the ring's one decode, whichever way its
-# frames came (a chunk, or a socket), or, read from the ring's chunks as
-# they come, by its decode_stream.
+# frames came (a chunk, or a socket), or, read as it arrives
+# (fastmq._piecewise), by its decode_stream.
 decode = decode_frames
