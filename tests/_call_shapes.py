@@ -31,7 +31,12 @@ WORLD = 2
 N = 3
 
 
-def _payload(i: int) -> dict:
+def _payload(i: int):
+    if i == N:
+        # A large in-band message (about 4 MB of small objects): several
+        # segments to a remote worker, whose dequeue(indefinite=True)
+        # unpickles it as it arrives.
+        return [bytes([k % 251]) * 1000 for k in range(4000)]
     return {"step": i, "blob": bytes(range(256)) * (i + 1)}
 
 
@@ -143,21 +148,28 @@ def main(rank: int, port: int) -> None:
         own.wait_until_ready()
         peers[1].wait_until_ready()
         _join(*writers)
-        for i in range(N):
+        for i in range(N + 1):
             engine_mq.enqueue(("echo", _payload(i)))
-        got = [rpc_mq.dequeue(timeout=60) for _ in range(N)]
+        # A worker's call (WorkerProc.worker_busy_loop).
+        got = [rpc_mq.dequeue(indefinite=True) for _ in range(N + 1)]
         for _, p in got:
             response_mq.enqueue(("from", 0, p))
-        answers = [[own.dequeue(timeout=60), peers[1].dequeue(timeout=60)] for _ in range(N)]
+        answers = [[own.dequeue(timeout=60), peers[1].dequeue(timeout=60)]
+                   for _ in range(N + 1)]
         out["executor_round_trips"] = [
             a == [("from", 0, _payload(i)), ("from", 1, _payload(i))]
             for i, a in enumerate(answers)]
+        # fastmq's counters (vLLM's class has none): with a remote reader on
+        # the queue the large message reaches the local worker over the
+        # overflow socket, as in vLLM (parts are for queues of local readers).
+        st = getattr(engine_mq, "stats", dict)()
+        out["large_path"] = [st.get("parts_messages"), st.get("overflow_messages")]
     else:
         out["rpc_remote"] = bool(rpc_mq._is_remote_reader)
         rpc_mq.wait_until_ready()
         response_mq.wait_until_ready()
-        for _ in range(N):
-            _, p = rpc_mq.dequeue(timeout=60)
+        for _ in range(N + 1):
+            _, p = rpc_mq.dequeue(indefinite=True)
             response_mq.enqueue(("from", 1, p))
     dist.barrier()   # every answer is in before anyone goes
     dist.destroy_process_group()
