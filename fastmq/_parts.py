@@ -269,10 +269,9 @@ class PartStream(PiecewiseFile):
     def _advance(self) -> None:
         # The part held is read: its chunk goes back before the next wait,
         # so the writer can reuse it for a part still to come.
+        # Called only while bytes remain: the head's lengths add up to the
+        # stream (read_head) and each part must start where the last ended.
         ring, expect = self._ring, self._start + self._end
-        if expect >= self.total:
-            raise CorruptChunkError(f"fastmq ring chunk {self.idx}: a pickle stream runs "
-                                    f"past the end of its {self.total}-byte part stream")
         self._release()
         self.idx = idx = self._next_part()
         aborted, index, total, offset, length = ring.part_header(idx)

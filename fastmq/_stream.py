@@ -76,6 +76,7 @@ class Stream:
         self._ciphertext: memoryview | None = None
         # A streamed message's segment lands here (SegmentStream).
         self._segment_memory: memoryview | None = None
+        self._tag = memoryview(bytearray(_seal.TAG_BYTES))   # a segment's tag as received
         self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
         self._received = 0   # bytes received so far (how _drive sees progress)
         self.last_seq = 0    # the last message taken
@@ -391,8 +392,8 @@ class Stream:
                 # after the segment, once it has computed it too
                 # (Outgoing.batch), and both run at once.
                 expected = seal.tag(counter, index, seg)
-                tag = bytearray(t)
-                yield from self._read_into(memoryview(tag))
+                tag = self._tag[:t]
+                yield from self._read_into(tag)
                 ok = seal.matches(expected, tag)
         if not ok:
             raise self._unauthentic(seq)
@@ -453,11 +454,9 @@ class SegmentStream(PiecewiseFile):
 
     def _next_segment(self):
         """Generator: the next segment into the stream's segment memory."""
-        start = self._index * SEGMENT_BYTES
-        n = min(SEGMENT_BYTES, self._length - start)
-        if n <= 0:
-            raise CorruptChunkError(f"fastmq: remote reader: message {self._seq} read past "
-                                    "the end of its frame")
+        # Called only while bytes of the frame remain (its length was
+        # checked against the header's limits).
+        n = min(SEGMENT_BYTES, self._length - self._index * SEGMENT_BYTES)
         yield from self._stream._segment(self._counter, self._seq, self._index,
                                          self._seg[:n])
         self._index += 1
