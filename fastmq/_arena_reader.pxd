@@ -8,6 +8,9 @@ cdef class ArenaReaderEnd(ArenaEnd):
     cdef readonly long owner_pid
     cdef int *refs                         # live reader SlotBuffers per slot
     cdef uint64_t *ref_epoch               # epoch those SlotBuffers view
+    # Isolated: per slot, the furthest byte any view reached since this
+    # reader's private pages there were last dropped (0: nothing to drop).
+    cdef uint64_t *view_end
     cdef list pending                      # released slots waiting for an event
     cdef list deferred                     # [(event, [slot, ...]), ...]
     cdef object cuda
@@ -21,4 +24,5 @@ cdef class ArenaReaderEnd(ArenaEnd):
     cdef void release_named(self, const char *desc) noexcept
     cdef object maybe_pin(self)
     cdef void mark_done(self, int slot) noexcept
+    cdef void drop_private(self) noexcept
     cdef int discard(self, int slot) noexcept

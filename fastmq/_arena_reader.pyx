@@ -10,8 +10,9 @@ Readers' writes (``H_READERS``): by default each reader maps the slots
 copy-on-write (``MAP_PRIVATE``), so what it unpickles is still the shared
 memory, but an in-place write (``t.add_(1)``) makes a private copy of the
 pages it touches: no other reader, no later message and not the writer
-ever sees it.  Before a slot is handed back, the reader drops its private
-pages (``fmq_cow.h``), so the slot shows the shared bytes again.  Such a
+ever sees it.  Before it views a slot again (at its next dequeue, see
+``drop_private``), the reader drops its private pages there (``fmq_cow.h``),
+so the slot shows the shared bytes again.  Such a
 mapping is never registered with CUDA: a long-term pin of a private file
 mapping (what ``cudaHostRegister`` does, read-only or not) makes the
 kernel unshare every page, i.e. it would pin a private snapshot of the
@@ -43,7 +44,7 @@ from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
 from posix.mman cimport (MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE,
                          mmap)
 from posix.stat cimport fstat, struct_stat
-from posix.unistd cimport close as c_close, getpid
+from posix.unistd cimport _SC_PAGESIZE, close as c_close, getpid, sysconf
 
 import logging
 import os
@@ -67,6 +68,7 @@ fmq_pid_init()
 
 cdef uint64_t C_MAGIC = MAGIC
 cdef uint64_t C_DESC_MAGIC = DESC_MAGIC
+cdef long _page_bytes = sysconf(_SC_PAGESIZE)
 
 
 # This process's /proc/self/pagemap, for PAGEMAP_SCAN (see fmq_cow.h):
@@ -188,7 +190,8 @@ cdef class ArenaReaderEnd(ArenaEnd):
             self.advise_hugepages()
         self.refs = <int *>calloc(n_slots, sizeof(int))
         self.ref_epoch = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
-        if self.refs == NULL or self.ref_epoch == NULL:
+        self.view_end = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
+        if self.refs == NULL or self.ref_epoch == NULL or self.view_end == NULL:
             raise MemoryError()
         return self
 
@@ -203,6 +206,7 @@ cdef class ArenaReaderEnd(ArenaEnd):
                 pass  # no CUDA context any more (interpreter exit): dies with the process
         free(self.refs)
         free(self.ref_epoch)
+        free(self.view_end)
 
     def reader_refs(self, int slot):
         """Live SlotBuffers of this reader over ``slot``."""
@@ -298,6 +302,11 @@ cdef class ArenaReaderEnd(ArenaEnd):
         if self.refs[slot] > 0 and self.ref_epoch[slot] != epoch:
             raise ArenaError("slot %d of arena %s re-published while this reader still "
                              "holds it" % (slot, self.name))
+        if self.view_end[slot] != 0 and self.refs[slot] == 0 and self.discard(<int>slot) != 0:
+            raise ArenaError("cannot drop reader %d's private pages of slot %d of arena %s: a "
+                             "view of it would show this reader's earlier in-place writes "
+                             "(FASTMQ_ARENA_READERS=shared in the writer maps slots shared, "
+                             "without private copies)" % (self.reader_rank, slot, self.name))
         self.maybe_pin()
         cdef SlotBuffer sb = SlotBuffer.__new__(SlotBuffer)
         sb.arena = self
@@ -306,6 +315,8 @@ cdef class ArenaReaderEnd(ArenaEnd):
         sb.slot = <int>slot
         self.refs[slot] += 1
         self.ref_epoch[slot] = epoch
+        if offset + nbytes > self.view_end[slot]:
+            self.view_end[slot] = offset + nbytes
         self.n_views += 1
         return sb
 
@@ -365,24 +376,47 @@ cdef class ArenaReaderEnd(ArenaEnd):
             # A forked child dropping views it inherited: the slot is still
             # its parent's, whose views of it are alive.
             return
-        if self.isolated and self.discard(slot) != 0:
-            return
         fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_DONE + self.reader_rank), 1)
         self.n_released += 1
+
+    cdef void drop_private(self) noexcept:
+        # Isolated: a slot handed back may still hold this reader's private
+        # copies (its in-place writes), which only this reader's mapping
+        # shows: they must go before it views the slot again, not before
+        # the writer reuses it.  Finding them walks the page tables of what
+        # was viewed (~0.3 ms per 16 MiB read), so it is done here, at the
+        # next dequeue() (where a worker waits for its next step), rather
+        # than in the `del` that ends a step; resolve() does it for a slot
+        # still left.  Slots with a live view keep their pages: those are
+        # the writes of a tensor in use.
+        cdef int s
+        if self.owner_pid != fmq_self_pid():
+            return    # a forked child: the views and the pages are the parent's
+        for s in range(self.n_slots):
+            if self.view_end[s] != 0 and self.refs[s] == 0:
+                self.discard(s)
 
     cdef int discard(self, int slot) noexcept:
         """Drop this reader's private copies in ``slot`` (its in-place
         writes) so that the next message there shows the shared bytes: 0,
-        or an errno, and then the slot is kept (logged once): the writer
-        loses one slot, but no reader ever sees stale writes."""
+        or an errno (logged once; resolve() refuses to view the slot).
+        With the GIL held: another thread's resolve() must not view the
+        range while its pages are being dropped."""
         cdef int fd = _pagemap()
         cdef int err, whole = 0
         cdef uint64_t private_bytes = 0
         cdef char *p = self.slot_ptr(slot)
-        cdef size_t n = self.slot_bytes
-        with nogil:
-            err = fmq_cow_discard(fd, p, n, &private_bytes, &whole)
+        # Only what views covered: a store through one cannot reach past
+        # it, and the rest of the slot may hold mapped pages of earlier,
+        # larger messages that would make the walk longer for nothing.
+        cdef size_t n = (self.view_end[slot] + _page_bytes - 1) & ~(<size_t>_page_bytes - 1)
+        if n > <size_t>self.slot_bytes:
+            n = self.slot_bytes
+        if n == 0:
+            return 0
+        err = fmq_cow_discard(fd, p, n, &private_bytes, &whole)
         if err == 0:
+            self.view_end[slot] = 0
             self.n_cow_bytes += private_bytes
             self.n_slot_discards += whole
             return 0
@@ -391,7 +425,8 @@ cdef class ArenaReaderEnd(ArenaEnd):
             self.logged_discard = True
             try:
                 logger.warning("fastmq arena %s: cannot drop reader %d's private pages of slot "
-                               "%d (%s); the slot stays with this reader. Logged once.",
+                               "%d (%s); its messages in that slot raise ArenaError in this "
+                               "reader. Logged once.",
                                self.name, self.reader_rank, slot, os.strerror(err))
             except BaseException:
                 pass
@@ -402,12 +437,16 @@ cdef class ArenaReaderEnd(ArenaEnd):
         """Reader, at every dequeue: hand back slots whose views are gone.
 
         Unpinned, a slot is handed back the moment its last view dies (a
-        pageable H2D has consumed its source when the call returns).
+        pageable H2D has consumed its source when the call returns);
+        isolated, this reader's private pages in it are dropped here
+        (``drop_private``).
         Pinned, the copy is an async DMA that can outlive the view: freed
         slots wait here for an event recorded now, on the current stream,
         i.e. after the previous step's copies, and are handed back once it
         completes (polled, never waited on)."""
         cdef int s
+        if self.isolated:
+            self.drop_private()
         if self.deferred:
             keep = []
             for ev, slots in self.deferred:

@@ -156,6 +156,12 @@ def test_a_later_message_in_the_slot_shows_no_earlier_write(scan):
             del t
         st = r.stats()
         assert st["arena_released"] == 4 and w.stats()["arena_hits"] == 4
+        # The last message's pages go at the next dequeue(), before it views the slot.
+        w.enqueue(torch.full((n,), 9.0))
+        t = r.dequeue(timeout=10)
+        assert torch.all(t == 9.0)
+        del t
+        st = r.stats()
         if scan:
             # Exactly the pages written, and nothing when nothing was.
             assert st["arena_private_bytes_dropped"] == 2 * (2 * MiB) + 2 * MiB
@@ -168,6 +174,59 @@ def test_a_later_message_in_the_slot_shows_no_earlier_write(scan):
             assert st["arena_private_bytes_dropped"] == 0
     finally:
         _arena_reader.set_cow_scan(prev)
+
+
+def test_private_pages_go_at_the_next_dequeue_and_never_under_a_live_view():
+    # A slot goes back to the writer when its last view dies; the reader's
+    # own writes in it are dropped at its next dequeue(), or before it views
+    # the slot again, whichever comes first; a slot it still views keeps them.
+    if not _arena_reader.cow_scan_available():
+        pytest.skip("this kernel has no PAGEMAP_SCAN (Linux 6.7)")
+    w, (r,) = _pair(slots=2)
+    w.enqueue(torch.zeros(MiB // 2))                  # 2 MiB in slot 0
+    kept = r.dequeue(timeout=10)
+    kept.add_(1)                                      # private, and in use
+    for i in range(6):
+        n = MiB // 2 if i % 2 else MiB // 4           # 2 MiB and 1 MiB in turn, slot 1
+        w.enqueue(torch.full((n,), float(i)))
+        t = r.dequeue(timeout=10)
+        assert torch.all(t == float(i)), f"message {i} shows an earlier message's write"
+        t.add_(100)
+        del t
+        assert _held_by(w, 1) == []                   # handed back at once
+        assert torch.all(kept == 1.0)                 # a live view keeps its writes
+    assert r.stats()["arena_private_bytes_dropped"] == 3 * MiB + 2 * (2 * MiB)
+    w.enqueue(torch.full((MiB // 2,), 7.0))           # slot 1, the last write still there
+    t = r.dequeue(timeout=10)
+    assert torch.all(t == 7.0) and torch.all(kept == 1.0)
+    del kept, t
+    r.tensor_arena.flush_releases()
+    assert r.stats()["arena_private_bytes_dropped"] == 3 * MiB + 3 * (2 * MiB) + 2 * MiB
+    w.enqueue(torch.full((MiB // 2,), 8.0))
+    assert torch.all(r.dequeue(timeout=10) == 8.0)
+
+
+def test_a_slot_viewed_again_before_any_dequeue_drops_the_writes_first():
+    # A view that dies between two map_oob() calls with no flush between
+    # them (another thread's garbage, a caller driving the arena itself):
+    # the slot is the writer's again at once, and resolving its next
+    # publication drops this reader's writes before making the view.
+    writer = A.ShmTensorArena(1, 1 << 16, 1, min_bytes=1, prefault="off")
+    reader = A.ShmTensorArena(*writer.handle(), reader_rank=0)
+    try:
+        for fill in (1, 2, 3):
+            data = np.full(1 << 15, fill, dtype=np.uint8)
+            desc = writer.copy_to_slot(pickle.PickleBuffer(data))
+            writer.commit()
+            assert desc is not None, f"slot not handed back before message {fill}"
+            (view,) = reader.map_oob([desc])
+            assert bytes(view) == data.tobytes(), f"message {fill} shows an earlier write"
+            view[:100] = b"\xee" * 100                # a private copy of the first page
+            view.release()
+            del view
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_writer_memory_is_not_written_by_readers():

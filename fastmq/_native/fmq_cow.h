@@ -3,9 +3,9 @@
  * A reader maps the arena's slots MAP_PRIVATE: reading maps the shared
  * tmpfs pages themselves (zero copy, and the writer's later stores to those
  * pages are seen through the same page-table entries), while a store by the
- * reader makes a private copy of that one page.  Before the reader hands a
- * slot back, its private pages must go, or the next message in that slot
- * would show this reader's old writes: MADV_DONTNEED on a private file
+ * reader makes a private copy of that one page.  Before the reader views a
+ * slot again, its private pages there must go, or the next message in that
+ * slot would show this reader's old writes: MADV_DONTNEED on a private file
  * mapping drops them and the range shows the file again.
  *
  * Dropping the whole slot would also drop the entries of every page that
