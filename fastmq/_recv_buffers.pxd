@@ -4,3 +4,8 @@ cdef enum:
     # gathered for a socket): fresh pages cost a fault and a page of zeros
     # each, about what filling them costs.  Smaller ones are plain objects.
     POOLED_MIN = 1 << 20
+
+
+# Before unpickling ``n`` bytes of pickle stream with no buffer of that size
+# (in place from a ring chunk, or piece by piece): see fmq_heap.h.
+cdef void heap_keep(size_t n) noexcept

@@ -33,6 +33,14 @@ from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT
 # For Python callers (fastmq._parts).
 POOLED_MIN_BYTES = POOLED_MIN
 
+cdef extern from "fmq_heap.h" nogil:
+    size_t FMQ_HEAP_HINT_MAX
+    void fmq_heap_hint(size_t n)
+
+# The largest size keep_heap() has told malloc about in this process (a
+# fork child inherits the allocator's state with it).
+cdef size_t _heap_kept = 0
+
 cdef enum:
     # Enough for the encrypting writer's blocks (fastmq._wire
     # CIPHER_POOL_BYTES: a megabyte each); the scan of take() is short.
@@ -67,6 +75,25 @@ def fresh_bytes(Py_ssize_t length):
     cdef Filling target = Filling.__new__(Filling)
     target.obj = obj
     return obj, target
+
+
+cdef void heap_keep(size_t n) noexcept:
+    global _heap_kept
+    if n > FMQ_HEAP_HINT_MAX:
+        n = FMQ_HEAP_HINT_MAX
+    if n <= _heap_kept or n < POOLED_MIN:
+        return
+    _heap_kept = n
+    fmq_heap_hint(n)
+
+
+def keep_heap(Py_ssize_t nbytes):
+    """Before unpickling a message of ``nbytes`` with no buffer of its size
+    (piece by piece): have malloc keep the heap its objects will take
+    after they are freed, as it does once a buffer of that size has come
+    and gone (``fmq_heap.h``).  Costs a mapping only when ``nbytes`` is
+    larger than any before (from 1 MiB up)."""
+    heap_keep(nbytes if nbytes > 0 else 0)
 
 
 def fresh_bytearray(Py_ssize_t length):

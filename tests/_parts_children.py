@@ -32,3 +32,36 @@ def partial_writer_main(q, chunk: int):
                          2 * payload - 16)
     q.put("part 0 out")
     time.sleep(120)
+
+
+def heap_bytes() -> int:
+    """The bytes of glibc's main heap (``mallinfo2().arena``): what the
+    process has from the kernel for its small objects right now."""
+    import ctypes
+
+    class _MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    return libc.mallinfo2().arena
+
+
+def heap_reader_main(q, handle, rounds: int):
+    """A worker that takes ``rounds`` large lists as vLLM's do and drops each:
+    puts the main heap's size before the first and after each one is freed."""
+    import gc
+
+    r = MessageQueue.create_from_handle(handle, 0)
+    r.wait_until_ready()
+    sizes = [heap_bytes()]
+    for _ in range(rounds):
+        got = r.dequeue(indefinite=True)
+        n = sum(map(len, got))
+        del got
+        gc.collect()
+        sizes.append(heap_bytes())
+    q.put((n, sizes))
+    r.shutdown()
