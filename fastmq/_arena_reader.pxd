@@ -14,6 +14,7 @@ cdef class ArenaReaderEnd(ArenaEnd):
     cdef list pending                      # released slots waiting for an event
     cdef list deferred                     # [(event, [slot, ...]), ...]
     cdef object cuda
+    cdef object cuda_source                # has runtime(): fastmq._cuda (set_cuda_source)
     cdef bint pin_attempted
     cdef readonly bint pinned
     cdef uint64_t n_views, n_released, n_event_gated

@@ -208,6 +208,14 @@ cdef class ArenaReaderEnd(ArenaEnd):
         free(self.ref_epoch)
         free(self.view_end)
 
+    def set_cuda_source(self, source):
+        """Where ``maybe_pin`` finds the CUDA runtime: an object whose
+        ``runtime()`` returns it or None (``fastmq._cuda``, given by the
+        Python side when it attaches; without one, nothing is pinned).
+        Given rather than imported at the first message: that import cost
+        a reader's first large message about 2 ms."""
+        self.cuda_source = source
+
     def reader_refs(self, int slot):
         """Live SlotBuffers of this reader over ``slot``."""
         if not (0 <= slot < self.n_slots):
@@ -324,10 +332,9 @@ cdef class ArenaReaderEnd(ArenaEnd):
         # Once, lazily, and only where CUDA is already initialised (see
         # fastmq._cuda): registering 8 x 256 MiB allocates and locks all of
         # it, so a queue that never carries a large buffer never pins.
-        if self.pin_attempted:
+        if self.pin_attempted or self.cuda_source is None:
             return None
-        from fastmq import _cuda
-        rt = _cuda.runtime()
+        rt = self.cuda_source.runtime()
         if rt is None:
             return None
         try:

@@ -47,7 +47,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fastmq import _config, segments
+from fastmq import _config, _cuda, segments
 from fastmq._arena import ArenaError, SlotBuffer, is_descriptor, layout
 from fastmq._arena_reader import ArenaReaderEnd
 from fastmq._arena_writer import ArenaWriterEnd
@@ -391,6 +391,7 @@ class ArenaReader(ShmTensorArena):
     def _attach(cls, name: str, n_reader: int, slot_bytes: int, n_slots: int,
                 reader_rank: int) -> "ArenaReader":
         core = ArenaReaderEnd.attach(name, n_reader, slot_bytes, n_slots, reader_rank)
+        core.set_cuda_source(_cuda)
         self = object.__new__(cls)
         self._set_end(core, name, n_reader, slot_bytes, n_slots, reader_rank)
         _ARENAS[name] = self

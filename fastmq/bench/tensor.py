@@ -30,8 +30,8 @@ def _notes(rs, records) -> list[str]:
             f"bytes as a list of {impls_mod.LIST_ITEM}-byte bytes objects, pickled in-band "
             "(each reader sums its words in place, about a MiB at a time: no copy of the "
             "whole list). Readers receive as vLLM's workers do, with dequeue(indefinite=True): "
-            "no deadline, so fastmq unpickles an in-band list that comes in parts as its "
-            "parts arrive.",
+            "no deadline, so fastmq unpickles a large in-band list as it arrives (the ring's "
+            "parts, a remote message's segments).",
             *impls_mod.remote_notes(names),
             *(["floor: one single-threaded memcpy into a pre-faulted shared segment plus "
                "every reader's read of every byte."] if "floor" in names else []),
