@@ -41,8 +41,8 @@ from fastmq._segment import parse_locator
 from libc.errno cimport errno
 from libc.string cimport strerror
 from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
-from posix.mman cimport (MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE,
-                         mmap)
+from posix.mman cimport (MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_NONE, PROT_READ,
+                         PROT_WRITE, mmap, mprotect, munlock)
 from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport _SC_PAGESIZE, close as c_close, getpid, sysconf
 
@@ -168,8 +168,18 @@ cdef class ArenaReaderEnd(ArenaEnd):
                 # header and flag lines stay shared.  NORESERVE: private
                 # copies exist only while a reader writes, so charging the
                 # whole arena as committed memory per reader is pointless.
-                q = mmap(b + <Py_ssize_t>data_off, total - data_off, PROT_READ | PROT_WRITE,
+                # Mapped without access first, unlocked, then opened: under
+                # mlockall(MCL_FUTURE) a writable private mapping is locked
+                # as it is made, and locking one writes every page, i.e.
+                # makes a private snapshot of the whole arena that later
+                # messages never reach (and that MADV_DONTNEED then refuses
+                # to drop).  Unlocked, its pages are the shared ones.
+                q = mmap(b + <Py_ssize_t>data_off, total - data_off, PROT_NONE,
                          MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, fd, data_off)
+                if q != MAP_FAILED:
+                    munlock(q, total - data_off)
+                    if mprotect(q, total - data_off, PROT_READ | PROT_WRITE) != 0:
+                        q = MAP_FAILED
                 if q == MAP_FAILED:
                     err = errno
                     raise ArenaError(

@@ -115,3 +115,29 @@ def inplace_reader_main(handle, rank: int, n_msgs: int, shared: bool, handles_q)
         del t
         resp.enqueue(("checked", rank, i, fresh, zero_copy, seen, r.stats()))
     assert r.dequeue(timeout=60) == "bye"
+
+
+def locked_reader_main(handle, q) -> None:
+    """A reader whose process locks all its memory, present and future
+    (``mlockall``), before it attaches: puts what each of three messages
+    showed (after writing into it, and dropping it), or the error."""
+    import ctypes
+    import os
+
+    from fastmq import MessageQueue
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mlockall(1 | 2) != 0:                       # MCL_CURRENT | MCL_FUTURE
+        q.put(("mlockall", os.strerror(ctypes.get_errno())))
+        return
+    r = MessageQueue.create_from_handle(handle, 0)
+    r.wait_until_ready()
+    try:
+        for _ in range(3):
+            t = r.dequeue(timeout=30)
+            seen = (t[0].item(), t[-1].item(), r.tensor_arena.contains(t.data_ptr()))
+            t.add_(100)                                  # a private copy of every page
+            del t
+            q.put(("seen", seen))
+    except Exception as e:
+        q.put(("error", f"{type(e).__name__}: {e}"))
