@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastmq._recv_buffers import fresh_bytes, keep_heap
+from fastmq._recv_buffers import fresh_bytes
 from fastmq._serde import decode_stream
 
 
@@ -92,13 +92,9 @@ def unpickle(source: PiecewiseFile) -> Any:
     so the next call starts at the next message, as after reassembly.  When
     the source itself failed (a wait, a check), or on an interrupt, the
     source is abandoned instead (``abandon``)."""
-    # No buffer of the message's size comes and goes here, so malloc is
-    # told of one: else it hands the heap the objects take back to the
-    # kernel when they are freed, and faults it in again for the next.
-    keep_heap(source._left)
     try:
         try:
-            obj = decode_stream(source)
+            obj = decode_stream(source, source._left)
         except Exception:
             if source.failed:
                 raise

@@ -6,6 +6,6 @@ cdef enum:
     POOLED_MIN = 1 << 20
 
 
-# Before unpickling ``n`` bytes of pickle stream with no buffer of that size
-# (in place from a ring chunk, or piece by piece): see fmq_heap.h.
+# Before unpickling ``n`` bytes of pickle stream (fastmq._ring's decode): have
+# malloc keep the heap the objects take once they are freed (fmq_heap.h).
 cdef void heap_keep(size_t n) noexcept

@@ -37,7 +37,7 @@ cdef extern from "fmq_heap.h" nogil:
     size_t FMQ_HEAP_HINT_MAX
     void fmq_heap_hint(size_t n)
 
-# The largest size keep_heap() has told malloc about in this process (a
+# The largest size heap_keep() has told malloc about in this process (a
 # fork child inherits the allocator's state with it).
 cdef size_t _heap_kept = 0
 
@@ -78,6 +78,7 @@ def fresh_bytes(Py_ssize_t length):
 
 
 cdef void heap_keep(size_t n) noexcept:
+    # Costs a mapping only when ``n`` is larger than any before (from 1 MiB).
     global _heap_kept
     if n > FMQ_HEAP_HINT_MAX:
         n = FMQ_HEAP_HINT_MAX
@@ -85,15 +86,6 @@ cdef void heap_keep(size_t n) noexcept:
         return
     _heap_kept = n
     fmq_heap_hint(n)
-
-
-def keep_heap(Py_ssize_t nbytes):
-    """Before unpickling a message of ``nbytes`` with no buffer of its size
-    (piece by piece): have malloc keep the heap its objects will take
-    after they are freed, as it does once a buffer of that size has come
-    and gone (``fmq_heap.h``).  Costs a mapping only when ``nbytes`` is
-    larger than any before (from 1 MiB up)."""
-    heap_keep(nbytes if nbytes > 0 else 0)
 
 
 def fresh_bytearray(Py_ssize_t length):

@@ -75,6 +75,7 @@ from fastmq._native.atomic cimport (
     fmq_load_u32_acq, fmq_now_ns, fmq_store_u32_rel, fmq_sub_u32_seq)
 from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
 from fastmq._native.proc cimport fmq_pid_init, fmq_self_pid
+from fastmq._recv_buffers cimport heap_keep
 from fastmq._segment cimport Segment
 from pickle import load as _load, loads as _loads
 
@@ -480,14 +481,20 @@ def decode_frames(stream, list oob=None, arena=None):
     return decode(stream, oob, arena)
 
 
-def decode_stream(file):
-    """The object of a message whose pickle stream is read from ``file``
-    as it arrives (``fastmq._piecewise``: the ring's parts, or a remote
-    message's checked segments, of a message with no out-of-band buffer)."""
+def decode_stream(file, Py_ssize_t nbytes):
+    """The object of a message whose ``nbytes``-byte pickle stream is read
+    from ``file`` as it arrives (``fastmq._piecewise``: the ring's parts, or
+    a remote message's checked segments, of a message with no out-of-band
+    buffer)."""
+    heap_keep(nbytes if nbytes > 0 else 0)
     return _load(file)
 
 
 cdef object decode(object stream, list oob, object arena):
+    # Every way in (a chunk, a socket frame, a pooled buffer, piece by
+    # piece) unpickles with no malloc'd buffer of the stream's size coming
+    # and going: see heap_keep.
+    heap_keep(len(stream))
     if oob:
         if arena is not None:
             oob = arena.map_oob(oob)

@@ -36,7 +36,7 @@ from fastmq._ring cimport (CHUNK_PART, CHUNK_PART_ABORT, FRAME_HEAD, NOGIL_COPY_
                            PART_HEAD, ST_OVERFLOW, ST_PARTS, ST_READY,
                            ST_WRITER_CLOSED, ST_WRITER_DIED, W_ZMQ, RingEnd, claim_alive,
                            decode, spin_tick)
-from fastmq._recv_buffers cimport POOLED_MIN, heap_keep
+from fastmq._recv_buffers cimport POOLED_MIN
 from fastmq._ring_layout cimport *
 from fastmq._segment cimport Segment
 
@@ -278,8 +278,6 @@ cdef class RingReader(RingEnd):
             oob = self.take_oob(idx, c, &start0, &len0)
             # Unpickled in place: the chunk stays this reader's until the
             # object is built (its bytes are copies), then it is marked read.
-            # No buffer of the stream's size is allocated: see heap_keep.
-            heap_keep(len0)
             stream = PyMemoryView_FromMemory(c + start0, len0, PyBUF_READ)
             return decode(stream, oob, arena)
         finally:

@@ -49,16 +49,17 @@ def heap_bytes() -> int:
     return libc.mallinfo2().arena
 
 
-def heap_reader_main(q, handle, rounds: int):
-    """A worker that takes ``rounds`` large lists as vLLM's do and drops each:
-    puts the main heap's size before the first and after each one is freed."""
+def heap_reader_main(q, handle, rounds: int, deadline: bool = False):
+    """A worker that takes ``rounds`` large lists as vLLM's do (or with a
+    deadline: reassembled first) and drops each: puts the main heap's size
+    before the first and after each one is freed."""
     import gc
 
     r = MessageQueue.create_from_handle(handle, 0)
     r.wait_until_ready()
     sizes = [heap_bytes()]
     for _ in range(rounds):
-        got = r.dequeue(indefinite=True)
+        got = r.dequeue(timeout=60) if deadline else r.dequeue(indefinite=True)
         n = sum(map(len, got))
         del got
         gc.collect()

@@ -278,18 +278,22 @@ def test_a_changed_byte_in_a_later_segment_is_refused_and_the_stream_stays_refus
 
 # -- the reader's heap -------------------------------------------------------------------
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
-@pytest.mark.parametrize("path", ["chunk", "parts", "remote"])
+@pytest.mark.parametrize("path", ["chunk", "parts", "remote", "parts-deadline",
+                                  "remote-deadline"])
 def test_a_large_list_leaves_its_heap_to_the_next_one(path, procs, spawn_ctx):
     # With no buffer of the message's size coming and going, glibc would
     # hand the heap a 16 MiB list of small objects took back to the kernel
     # when the list is freed, and fault it in again for the next message
-    # (a third of the round trip on 2 vCPUs). The reader has malloc keep it.
+    # (a third of the round trip on 2 vCPUs). The reader has malloc keep it,
+    # whichever way the list comes (with a deadline: reassembled in pooled
+    # memory, which is not malloc's either).
+    path, _, deadline = path.partition("-")
     kw = {"chunk": dict(enable_shm_tensor_arena=False),
           "parts": dict(max_chunk_bytes=4 << 20, max_chunks=8, enable_shm_tensor_arena=False),
           "remote": dict(connect_ip="127.0.0.1")}[path]
     w = MessageQueue(1, 0 if path == "remote" else 1, **kw)
     q = spawn_ctx.Queue()
-    procs.start(heap_reader_main, q, w.export_handle(), 3)
+    procs.start(heap_reader_main, q, w.export_handle(), 3, bool(deadline))
     w.wait_until_ready()
     items = [bytes([i % 251]) * 1024 for i in range(16 << 10)]
     try:

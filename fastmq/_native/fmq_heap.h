@@ -6,9 +6,11 @@
  * raises that threshold by itself to twice the size of the largest block
  * it had to mmap and then freed (up to 32 MiB).  A reader that receives a
  * large message into one buffer frees such a block after every message,
- * so the heap its objects live in stays mapped.  A reader that unpickles
- * the message piece by piece (fastmq/_piecewise.py) never allocates one:
- * freeing a list of 16 MiB of small objects then returns the heap to the
+ * so the heap its objects live in stays mapped.  fastmq's readers unpickle
+ * in place from a ring chunk, from pooled memory, or piece by piece
+ * (fastmq/_piecewise.py), and never allocate one: hence fastmq/_ring.pyx's
+ * decode calls fmq_heap_hint through heap_keep.  Without it,
+ * freeing a list of 16 MiB of small objects returns the heap to the
  * kernel (a page-table walk and a TLB flush), and the next message faults
  * every page in again, zero-filled -- measured on 2 vCPUs, about a third
  * of a 16 MiB list's round trip.  One mmapped block of the message's size,
