@@ -24,7 +24,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
     cdef uint64_t n_declined, n_small, n_nomem, n_empty, n_empty_miss, n_prefaulted
 
     cdef uint64_t publish(self, int slot) noexcept nogil
-    cdef int claim(self) noexcept nogil
+    cdef int claim(self, Py_ssize_t nbytes) noexcept nogil
     cdef bytes descriptor(self, int slot, uint64_t offset, uint64_t nbytes, uint64_t epoch)
     cdef object view_to_slot(self, Py_buffer *view)
     cdef object copy_in(self, int slot, const char *src, Py_ssize_t nbytes)

@@ -268,7 +268,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
                     "takes the out-of-band path (raise FASTMQ_ARENA_SLOT_MB to divert "
                     "buffers this large). Logged once.", self.name, nbytes, self.slot_bytes)
             return None
-        slot = self.claim()
+        slot = self.claim(nbytes)
         if slot < 0:
             self.n_exhausted += 1
             if not self.logged_exhausted:
@@ -281,16 +281,24 @@ cdef class ArenaWriterEnd(ArenaEnd):
             return None
         return self.copy_in(slot, ptr, nbytes)
 
-    cdef int claim(self) noexcept nogil:
-        # Lowest free index first, not round robin: pages of a slot stay
-        # allocated once touched, so reusing the few low slots keeps the
-        # copy on warm pages (a fresh tmpfs page costs several times the
-        # copy itself) and leaves the other slots unallocated.
-        cdef int s
+    cdef int claim(self, Py_ssize_t nbytes) noexcept nogil:
+        # The lowest free slot whose pages already hold ``nbytes``; else the
+        # free slot with the most pages populated (the lowest of equals).
+        # Not round robin: pages of a slot stay allocated once touched, so
+        # reusing the few low slots keeps the copy on warm pages (a fresh
+        # tmpfs page costs several times the copy itself) and leaves the
+        # other slots unallocated; and a buffer larger than any before goes
+        # where the pre-fault ahead made room for it (prefault_next).
+        cdef int s, best = -1
+        cdef uint64_t warm, best_warm = 0
         for s in range(self.n_slots):
             if self.reserved[s] == 0 and self.in_message[s] == 0 and self.slot_free(s):
-                return s
-        return -1
+                warm = fmq_local_load_u64_acq(&self.faulted[s])
+                if warm >= <uint64_t>nbytes:
+                    return s
+                if best < 0 or warm > best_warm:
+                    best, best_warm = s, warm
+        return best
 
     cdef uint64_t publish(self, int slot) noexcept nogil:
         cdef char *ln = self.line(slot)
@@ -407,7 +415,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
         if nbytes <= 0 or nbytes > self.slot_bytes or self.closed:
             self.n_empty_miss += 1
             return None
-        slot = self.claim()
+        slot = self.claim(nbytes)
         if slot < 0:
             self.n_empty_miss += 1
             return None
@@ -483,20 +491,22 @@ cdef class ArenaWriterEnd(ArenaEnd):
 
     # -- pre-faulting ----------------------------------------------------------
     cdef object prefault_next(self, int slot, Py_ssize_t nbytes):
-        # ``nbytes`` just went into cold pages of ``slot``.  The next buffer,
-        # if it comes while readers still hold this one, takes the lowest
-        # other free slot: have that slot's first ``nbytes`` populated in
-        # the background, so that a stream of buffers of this size finds
-        # warm pages in either.  Only that much: pre-faulting whole slots
-        # committed up to 2 x slot_bytes of memory for one small tensor,
-        # for the arena's life.  Where readers hold more slots at once, the
-        # first copy into a cold slot further down does the same for the
-        # slot after it; a copy into warm pages asks for nothing more.
+        # ``nbytes`` just went into cold pages of ``slot``.  Have the lowest
+        # other free slot's first 2 x ``nbytes`` populated in the background:
+        # the next buffer takes it if readers still hold this one, and a
+        # larger buffer than any before goes to it (claim: the warmest free
+        # slot) and finds up to twice this size warm, as a growing buffer
+        # doubles.  Only that much: pre-faulting whole slots committed up to
+        # 2 x slot_bytes of memory for one small tensor, for the arena's
+        # life; this holds 3 x ``nbytes`` for a stream of one size.  Where
+        # readers hold more slots at once, the first copy into a cold slot
+        # further down does the same for the slot after it; a copy into warm
+        # pages asks for nothing more.
         cdef int s
         cdef uint64_t want
         if not self.prefault_ahead or self.closed:
             return None
-        want = min(_align(nbytes, PAGE), self.slot_bytes)
+        want = min(_align(2 * nbytes, PAGE), self.slot_bytes)
         for s in range(self.n_slots):
             if (s == slot or self.reserved[s] != 0 or self.in_message[s] != 0
                     or not self.slot_free(s)):

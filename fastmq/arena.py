@@ -24,8 +24,9 @@ keyword                 environment                    default      meaning
 ======================  =============================  ===========  ========================
 
 ``ahead``: after a copy into cold pages, the slot the next buffer would take
-gets as many pages populated in the background, by a thread that runs only
-on an otherwise idle core (``SCHED_IDLE``; never whole slots); ``all``
+gets twice as many pages populated in the background (a larger buffer than
+any before then takes that slot), by a thread that runs only on an
+otherwise idle core (``SCHED_IDLE``; never whole slots); ``all``
 or ``N``: whole slots at creation.  Inside vLLM on a CUDA platform the
 scheduler broadcast's readers default to ``shared`` (``fastmq.vllm``).
 

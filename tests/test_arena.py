@@ -830,11 +830,11 @@ def test_idle_arena_costs_no_memory_and_prefault_modes():
     r.dequeue(timeout=10)
     core = _core(w)
     _wait_prefault(core)
-    # The copy's own pages, and as many in the slot the next buffer takes
-    # while this one is held: not the rest of either slot.
-    assert [core.faulted_bytes(s) for s in range(4)] == [2 * MiB, 2 * MiB, 0, 0]
-    assert 4 * MiB <= _blocks(w) < 5 * MiB
-    assert core.stats()["arena_prefaulted_bytes"] == 2 * MiB
+    # The copy's own pages, and twice as many in the slot the next buffer
+    # takes (capped by the slot): not the rest of either slot.
+    assert [core.faulted_bytes(s) for s in range(4)] == [2 * MiB, 4 * MiB, 0, 0]
+    assert 6 * MiB <= _blocks(w) < 7 * MiB
+    assert core.stats()["arena_prefaulted_bytes"] == 4 * MiB
     off.enqueue(torch.ones(MiB // 4))                    # "off": only what the copy used
     assert [_core(off).faulted_bytes(s) for s in range(4)] == [MiB, 0, 0, 0]
     for mode, want in (("all", [4 * MiB] * 4), (1, [4 * MiB, 0, 0, 0])):
@@ -847,8 +847,9 @@ def test_idle_arena_costs_no_memory_and_prefault_modes():
 def test_a_default_queue_commits_what_its_tensors_use(monkeypatch):
     # The default geometry (8 x 256 MiB) and pre-fault mode.  Eleven 16 MiB
     # tensors, each sent while the reader still holds the one before: two
-    # slots in use, each with 16 MiB of pages, and no whole slot committed
-    # (which held 512 MiB of /dev/shm for the arena's life).
+    # slots in use, one with 16 MiB of pages, the other with 32 (pre-faulted
+    # ahead for a larger buffer), and no whole slot committed (which held
+    # 512 MiB of /dev/shm for the arena's life).
     for var in ("FASTMQ_ARENA", "FASTMQ_ARENA_SLOTS", "FASTMQ_ARENA_SLOT_MB",
                 "FASTMQ_ARENA_MIN_MB", "FASTMQ_ARENA_PREFAULT"):
         monkeypatch.delenv(var, raising=False)
@@ -865,17 +866,38 @@ def test_a_default_queue_commits_what_its_tensors_use(monkeypatch):
         held = got                                       # released once the next one arrives
         _wait_prefault(core)
         if i == 0:
-            assert [core.faulted_bytes(s) for s in range(3)] == [size, size, 0]
+            assert [core.faulted_bytes(s) for s in range(3)] == [size, 2 * size, 0]
     del held, got
     assert w.stats()["arena_hits"] == 11
-    assert [core.faulted_bytes(s) for s in range(8)] == [size, size] + [0] * 6
-    assert core.stats()["arena_prefaulted_bytes"] == size
-    assert 2 * size <= _blocks(w) <= 2 * size + 4 * MiB
+    assert [core.faulted_bytes(s) for s in range(8)] == [size, 2 * size] + [0] * 6
+    assert core.stats()["arena_prefaulted_bytes"] == 2 * size
+    assert 3 * size <= _blocks(w) <= 3 * size + 4 * MiB
     # The same figure through the mapping, as fastmq.shm_usage reports it.
     held_now = shm_usage.held_bytes(w)
     assert held_now["arena"] == _blocks(w)
-    assert held_now["total"] == held_now["arena"] + held_now["ring"] < 2 * size + 8 * MiB
+    assert held_now["total"] == held_now["arena"] + held_now["ring"] < 3 * size + 8 * MiB
     assert shm_usage.held_bytes(r)["arena"] == held_now["arena"]
+
+
+def test_a_larger_buffer_goes_where_the_prefault_ahead_made_room():
+    # A 2 MiB buffer into a cold slot has the next free slot populated to
+    # twice its size; a 4 MiB buffer after it (larger than any before) takes
+    # that slot and touches no cold page, rather than the lowest free slot
+    # (2 MiB warm), which would fault 2 MiB more in the copy.
+    w, (r,) = _pair(slots=4, slot_mb=16)
+    core = _core(w)
+    for n_float in (MiB // 2, MiB):
+        t = torch.arange(n_float, dtype=torch.float32)
+        w.enqueue(t)
+        got = r.dequeue(timeout=10)
+        assert torch.equal(got, t)
+        del got
+        _wait_prefault(core)
+        if n_float == MiB // 2:
+            assert [core.faulted_bytes(s) for s in range(4)] == [2 * MiB, 4 * MiB, 0, 0]
+    assert [core.faulted_bytes(s) for s in range(4)] == [2 * MiB, 4 * MiB, 0, 0]
+    assert core.stats()["arena_prefaulted_bytes"] == 4 * MiB
+    assert w.stats()["arena_hits"] == 2
 
 
 def _wait_prefault(core, timeout=10.0):

@@ -30,6 +30,10 @@ _OPTIONS = (
     ("--tensor-reps", dict(type=int, metavar="K", help="tensor: counted messages per size "
                            "and N from 64 MiB up, proportionally more below (16M: 4K; "
                            "full: K=5)")),
+    ("--first-queues", dict(type=int, metavar="Q", help="tensor: fresh queues per "
+                            "implementation, N and run whose first message of each size "
+                            "is the first-use figure (the measured queue and Q-1 more that "
+                            "send one message of each size; full: Q=3)")),
     ("--idle-window", dict(type=float, metavar="SECONDS", help="wake: idle-CPU window after "
                            "the last message (full: 5 s)")),
     ("--repeat", dict(type=int, metavar="R", help="run everything R times in turn; each "
@@ -52,7 +56,8 @@ _OPTIONS = (
                              "README instead of printing it")),
 )
 # Numeric options: (option, Params field, lowest, highest or None).
-_BOUNDS = (("tensor_reps", "tensor_reps", 1, 1000), ("repeat", "repeats", 1, 100),
+_BOUNDS = (("tensor_reps", "tensor_reps", 1, 1000), ("first_queues", "tensor_first_queues", 1, 20),
+           ("repeat", "repeats", 1, 100),
            ("idle_window", "idle_window_s", 0.05, None), ("timeout", "timeout_s", 1.0, None))
 
 

@@ -43,6 +43,9 @@ class Params:
     # shared-memory pages (the first message's time is reported separately).
     tensor_warmup: int = 10
     tensor_reps: int = 4            # counted per size from 64 MiB up (tensor_reps_at)
+    # First use (fresh pages, a first message of a size): one sample per queue, so
+    # each run takes it from this many fresh queues, the measured one included.
+    tensor_first_queues: int = 1
     # wake: one message after the readers went idle (parked).
     wake_samples: int = 10
     wake_warmup: int = 20
@@ -67,6 +70,7 @@ _PRESETS = {
         step_warmup=300, step_min=500, step_max=10_000, step_budget_s=0.4,
         tp_budget_s=0.5, tp_max_msgs=500_000, tp_warmup_reps=1, tp_reps=2,
         tensor_sizes=[16 * MiB, 64 * MiB, 256 * MiB], tensor_warmup=9, tensor_reps=5,
+        tensor_first_queues=3,
         wake_samples=20, wake_warmup=30, idle_window_s=5.0, timeout_s=120.0),
 }
 

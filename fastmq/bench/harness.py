@@ -184,12 +184,12 @@ def serve(recv, reply, rank: int, params, kind: str, answer, timeout: float | No
         expect += 1
 
 
-def groups(env, impls, params, progress, name: str, measure) -> list[dict]:
+def groups(env, impls, params, progress, name: str, measure, label: str = "") -> list[dict]:
     """``measure(group)`` of every implementation at every N."""
     records = []
     for n in params.readers[name]:
         for impl in impls:
-            progress.start(f"{name}  {impl.name}  N={n}")
+            progress.start(f"{name}{label}  {impl.name}  N={n}")
             with ReaderGroup(env, impl, n, name, params) as g:
                 records += measure(g)
     return records

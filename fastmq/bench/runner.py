@@ -103,7 +103,9 @@ def run(plan_: dict, params, progress: bool = True, scenarios: list[str] | None 
     plan_ = {s: lst for s, lst in plan_.items() if lst}
 
     repeats = params.repeats
+    # The tensor scenario opens more fresh queues for its first-use figures.
     prog = Progress(repeats * sum(len(lst) * len(params.readers.get(s, []))
+                                  * (params.tensor_first_queues if s == "tensor" else 1)
                                   for s, lst in plan_.items()), enabled=progress)
     runs: list[list[dict]] = []
     for rep in range(repeats):
