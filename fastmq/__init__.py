@@ -11,7 +11,8 @@
 from fastmq._ring import CorruptChunkError, SegmentMismatchError
 from fastmq._segment import ShmFullError
 from fastmq.queue import (LONG_WAIT_TIME_LOG_MSG, BufferHandle, Handle,
-                          HandleMismatchError, MessageQueue, WriterGoneError)
+                          HandleMismatchError, MessageQueue, ReaderGoneError,
+                          WriterGoneError)
 from fastmq.ring import ShmRingBuffer
 from fastmq.segments import SHM_PATH, check_shm_free_space
 # The function shadows the submodule as an attribute of the package
@@ -43,6 +44,7 @@ __all__ = [
     "ShmFullError",
     "HandleMismatchError",
     "WriterGoneError",
+    "ReaderGoneError",
     "LONG_WAIT_TIME_LOG_MSG",
     "cleanup",
 ]

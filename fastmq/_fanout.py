@@ -29,6 +29,7 @@ import threading
 import time
 
 from fastmq import _keys, _seal, _wire
+from fastmq._gone import ReaderGoneError
 from fastmq._outbox import Outbox
 from fastmq._recv_buffers import BufferPool
 from fastmq._wire import CHALLENGE, HELLO, MAGIC, READY, PeerGone
@@ -109,6 +110,7 @@ class Fanout:
         self._joining: list[_Joining] = []
         self.readers: list[_Reader] = []
         self.broken: str | None = None   # why the readers can no longer be served
+        self._broken_by: tuple | None = None   # (rank, pid, how) of the reader that broke it
         self.failed: str | None = None   # why the handshake did not complete
         self.zmq_peer: str | None = None  # the last ZMQ peer that knocked
         self._message: _wire.Outgoing | None = None   # the one going out
@@ -318,11 +320,20 @@ class Fanout:
                 self._break(r, why)
                 break
         if self.broken is not None:
-            raise RuntimeError(f"fastmq: {self.broken}")
+            raise self.broken_error()
+
+    def broken_error(self) -> RuntimeError:
+        """What ``check_readers`` raises once the remote side is broken: a
+        ``ReaderGoneError`` naming the reader whose connection broke."""
+        if self._broken_by is None:
+            return RuntimeError(f"fastmq: {self.broken}")
+        return ReaderGoneError(f"fastmq: {self.broken}", *self._broken_by)
 
     def _break(self, r: _Reader, why: str) -> None:
         r.error = why
         r.out.clear()
+        self._broken_by = (r.rank, r.pid,
+                           "misbehaved" if why.startswith("sent bytes") else "disconnected")
         self.broken = (
             f"{r.describe()} {why} from the writer after the handshake: it died or its "
             "node is unreachable; messages sent since would not reach it, and a remote "

@@ -18,6 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from fastmq import (_config, _keys, _net, _overflow, _parts, _piecewise, _proc, _seal,
                     _stream, _subscribers, _wire)
+from fastmq._gone import WriterGoneError
 from fastmq._recv_buffers import BufferPool
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PARTS, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
                           WRITER_DIED, CorruptChunkError)
@@ -31,16 +32,6 @@ logger = logging.getLogger("fastmq")
 # How long a local reader waits for a promised overflow payload once it has
 # seen the writer dead with its connection still open (see _writer_gone).
 PAYLOAD_GRACE_S = 2.0
-
-
-class WriterGoneError(RuntimeError):
-    """A remote reader's writer is gone: it shut the queue down (``clean``)
-    or its connection was cut.  No message will come; a remote reader
-    cannot rejoin a running queue."""
-
-    def __init__(self, message: str, clean: bool):
-        super().__init__(message)
-        self.clean = clean
 
 
 class _ReaderEnd:

@@ -26,6 +26,7 @@ import time
 
 import zmq
 
+from fastmq._gone import ReaderGoneError
 from fastmq._ring import SLOT_ALIVE, SLOT_DEAD, SLOT_FREE, SLOT_LEFT
 from fastmq.handle import HandleMismatchError
 
@@ -121,10 +122,11 @@ def local_readers_ready(ring, local: list, ring_name: str) -> bool:
     for rank in range(ring.n_reader):
         pid, state = ring.reader_state(rank)
         if state in (SLOT_DEAD, SLOT_LEFT):
-            raise RuntimeError(
+            raise ReaderGoneError(
                 f"fastmq: local reader rank {rank} (pid {pid}) "
                 f"{'died' if state == SLOT_DEAD else 'closed its end of the queue'} "
-                "before the handshake completed; the writer cannot make progress")
+                "before the handshake completed; the writer cannot make progress",
+                rank, pid, "died" if state == SLOT_DEAD else "left")
         if state != SLOT_ALIVE or not data.has(rank, pid):
             ready = False
     if data.foreign:

@@ -21,6 +21,7 @@ from fastmq import (_config, _fanout, _keys, _net, _overflow, _parts, _seal, _su
                     _wire)
 from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY,
                           WAIT_ZMQ)
+from fastmq._gone import ReaderGoneError
 from fastmq._serde import Encoder
 from fastmq.handle import BufferHandle, Handle
 from fastmq.ring import ShmRingBuffer
@@ -304,10 +305,9 @@ class QueueWriter:
                             "chunk %d for %.0f s: %s.", ring.warn_interval, ring.current_idx,
                             ring.waited, behind or "none")
             elif status == READER_DIED:
-                raise RuntimeError(
-                    f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) "
-                    f"{_gone(ring)} without reading chunk {ring.current_idx}; the writer "
-                    "cannot make progress")
+                raise _reader_gone(
+                    ring, f"without reading chunk {ring.current_idx}; the writer cannot "
+                    "make progress")
             status = ring.continue_wait()
 
     def _wait_flushed(self, tracker, until: float | None, where: str) -> None:
@@ -328,8 +328,7 @@ class QueueWriter:
             next_check = time.monotonic() + PEER_CHECK_S
             ring = self.ring
             if ring.peer_status() == READER_DIED:
-                raise RuntimeError(f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) "
-                                   f"{_gone(ring)}; the writer cannot deliver to it")
+                raise _reader_gone(ring, "; the writer cannot deliver to it", sep="")
 
     # -- raw chunk access ---------------------------------------------------------
     @contextmanager
@@ -585,7 +584,7 @@ class QueueWriter:
             if fanout.broken is not None:
                 # A reader's connection broke during this message: every
                 # other reader has it, that one cannot.
-                raise RuntimeError(f"fastmq: {fanout.broken}")
+                raise fanout.broken_error()
         except BaseException as e:
             # Whether any byte went out is counted with the write itself
             # (fastmq._outbox), so it is right whatever line raised.
@@ -643,6 +642,9 @@ def _noted(e: BaseException) -> bool:
     return _COMMITTED_NOTE in getattr(e, "__notes__", ())
 
 
-def _gone(ring) -> str:
-    """How the reader that ``ring.dead_rank`` names went away."""
-    return "closed its end of the queue" if ring.dead_left else "died"
+def _reader_gone(ring, what: str, sep: str = " ") -> ReaderGoneError:
+    """The error for the reader that ``ring.dead_rank`` names, gone ``what``."""
+    how = "closed its end of the queue" if ring.dead_left else "died"
+    return ReaderGoneError(
+        f"fastmq: reader rank {ring.dead_rank} (pid {ring.dead_pid}) {how}{sep}{what}",
+        ring.dead_rank, ring.dead_pid, "left" if ring.dead_left else "died")

@@ -19,7 +19,8 @@ from typing import Any, Iterator
 
 from fastmq import _config, _overflow
 from fastmq._config import LONG_WAIT_TIME_LOG_MSG
-from fastmq._reader import LocalReader, RemoteReader, WriterGoneError
+from fastmq._gone import ReaderGoneError, WriterGoneError
+from fastmq._reader import LocalReader, RemoteReader
 from fastmq._ring import CorruptChunkError, SegmentMismatchError
 from fastmq._writer import QueueWriter
 from fastmq.handle import BufferHandle, Handle, HandleMismatchError, check_rank

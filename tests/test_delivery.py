@@ -16,7 +16,7 @@ import time
 import pytest
 import zmq
 
-from fastmq import MessageQueue, cleanup
+from fastmq import MessageQueue, ReaderGoneError, cleanup
 
 import _delivery_children as dc
 from _queues import local_pair, refused_in_fork_child, remote_close_seen, wait_for
@@ -224,9 +224,10 @@ def test_remote_reader_disconnect_is_an_error_not_a_gap():
     # The reader goes away; a new one with the same handle comes back.
     r.remote_socket.close()
     remote_close_seen(w)
-    with pytest.raises(RuntimeError, match="disconnected"):
+    with pytest.raises(ReaderGoneError, match="disconnected") as info:
         w.enqueue(dc.message(1, 10))
-    with pytest.raises(RuntimeError, match="disconnected"):   # and keeps refusing
+    assert (info.value.rank, info.value.how) == (0, "disconnected")
+    with pytest.raises(ReaderGoneError, match="disconnected"):   # and keeps refusing
         w.enqueue(dc.message(1, 10))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from fastmq import MessageQueue, _proc
+from fastmq import MessageQueue, ReaderGoneError, _proc
 from fastmq._ring import READY, WRITER_CLOSED, WRITER_DIED
 
 import _fault_children as children
@@ -71,12 +72,18 @@ def test_writer_names_dead_reader_while_ring_full(procs, spawn_ctx, wait_mode):
     killer = threading.Timer(0.3, p.kill)
     killer.start()
     try:
-        with pytest.raises(RuntimeError) as info:
+        with pytest.raises(ReaderGoneError) as info:
             writer.enqueue("never read", timeout=30)
     finally:
         killer.join()
     msg = str(info.value)
     assert f"reader rank 1 (pid {p.pid})" in msg and "died" in msg
+    # A RuntimeError, as vLLM's queue raises; what went is in its attributes.
+    assert isinstance(info.value, RuntimeError)
+    assert (info.value.rank, info.value.pid, info.value.how) == (1, p.pid, "died")
+    again = pickle.loads(pickle.dumps(info.value))      # e.g. from a worker pool
+    assert (type(again), str(again), again.rank, again.pid, again.how) == (
+        ReaderGoneError, msg, 1, p.pid, "died")
     assert "rank 0" not in msg
     writer.shutdown()
 

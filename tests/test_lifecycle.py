@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from fastmq import MessageQueue, _ring
+from fastmq import MessageQueue, ReaderGoneError, _ring
 from fastmq.handle import HandleMismatchError
 
 import _lifecycle_children as lc
@@ -137,8 +137,9 @@ def test_reader_dead_before_handshake_is_named(procs):
     dead.join(10)
     t, box = _in_thread(w.wait_until_ready)
     kind, err = _finished(t, box, 15, "the writer's handshake with a dead reader")
-    assert kind == "error" and isinstance(err, RuntimeError), err
+    assert kind == "error" and isinstance(err, ReaderGoneError), err
     assert f"local reader rank 1 (pid {dead.pid}) died" in str(err), err
+    assert (err.rank, err.pid, err.how) == (1, dead.pid, "died")
 
 
 def test_replaced_local_reader_is_counted_once(procs):
