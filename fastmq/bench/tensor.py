@@ -161,8 +161,10 @@ def run(env, impls, params, progress) -> list[dict]:
                             "first_ms": dt / 1e6})
         return out
 
+    def key(r):
+        return r["impl"], r["n_readers"], r["size_bytes"]
+
     out = groups(env, impls, params, progress, NAME, measure)
-    key = lambda r: (r["impl"], r["n_readers"], r["size_bytes"])  # noqa: E731
     by_key = {key(r): r for r in out}
     for q in range(1, params.tensor_first_queues):
         for f in groups(env, impls, params, progress, NAME, first_use,
