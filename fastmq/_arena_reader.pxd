@@ -11,6 +11,11 @@ cdef class ArenaReaderEnd(ArenaEnd):
     # Isolated: per slot, the furthest byte any view reached since this
     # reader's private pages there were last dropped (0: nothing to drop).
     cdef uint64_t *view_end
+    # Isolated: per slot, this process's page-fault count read just before
+    # its private pages there were last dropped (0: none recorded).  While
+    # the count is unchanged no page there can have been copied (a copy is
+    # a fault), so the next drop has nothing to find and skips the walk.
+    cdef uint64_t *clean_faults
     cdef list pending                      # released slots waiting for an event
     cdef list deferred                     # [(event, [slot, ...]), ...]
     cdef object cuda
@@ -18,7 +23,7 @@ cdef class ArenaReaderEnd(ArenaEnd):
     cdef bint pin_attempted
     cdef readonly bint pinned
     cdef uint64_t n_views, n_released, n_event_gated
-    cdef uint64_t n_cow_bytes, n_slot_discards, n_discard_failed
+    cdef uint64_t n_cow_bytes, n_slot_discards, n_discard_failed, n_walks_skipped
     cdef bint logged_discard
 
     cdef object resolve(self, const char *desc)
@@ -26,4 +31,4 @@ cdef class ArenaReaderEnd(ArenaEnd):
     cdef object maybe_pin(self)
     cdef void mark_done(self, int slot) noexcept
     cdef void drop_private(self) noexcept
-    cdef int discard(self, int slot) noexcept
+    cdef int discard(self, int slot, uint64_t faults) noexcept

@@ -43,6 +43,7 @@ from libc.string cimport strerror
 from posix.fcntl cimport O_CLOEXEC, O_RDONLY, O_RDWR, open as c_open
 from posix.mman cimport (MAP_FAILED, MAP_FIXED, MAP_PRIVATE, MAP_SHARED, PROT_NONE, PROT_READ,
                          PROT_WRITE, mmap, mprotect, munlock)
+from posix.resource cimport RUSAGE_SELF, getrusage, rusage
 from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport _SC_PAGESIZE, close as c_close, getpid, sysconf
 
@@ -65,6 +66,15 @@ cdef extern from "fmq_cow.h" nogil:
 
 
 fmq_pid_init()
+
+cdef uint64_t _process_faults() noexcept nogil:
+    # Page faults of this whole process (every thread, live or gone), 0 if
+    # unknown; see ArenaReaderEnd.discard.
+    cdef rusage ru
+    if getrusage(RUSAGE_SELF, &ru) != 0:
+        return 0
+    return <uint64_t>ru.ru_minflt + <uint64_t>ru.ru_majflt + 1
+
 
 cdef uint64_t C_MAGIC = MAGIC
 cdef uint64_t C_DESC_MAGIC = DESC_MAGIC
@@ -201,7 +211,9 @@ cdef class ArenaReaderEnd(ArenaEnd):
         self.refs = <int *>calloc(n_slots, sizeof(int))
         self.ref_epoch = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
         self.view_end = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
-        if self.refs == NULL or self.ref_epoch == NULL or self.view_end == NULL:
+        self.clean_faults = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
+        if (self.refs == NULL or self.ref_epoch == NULL or self.view_end == NULL
+                or self.clean_faults == NULL):
             raise MemoryError()
         return self
 
@@ -217,6 +229,7 @@ cdef class ArenaReaderEnd(ArenaEnd):
         free(self.refs)
         free(self.ref_epoch)
         free(self.view_end)
+        free(self.clean_faults)
 
     def set_cuda_source(self, source):
         """Where ``maybe_pin`` finds the CUDA runtime: an object whose
@@ -320,7 +333,8 @@ cdef class ArenaReaderEnd(ArenaEnd):
         if self.refs[slot] > 0 and self.ref_epoch[slot] != epoch:
             raise ArenaError("slot %d of arena %s re-published while this reader still "
                              "holds it" % (slot, self.name))
-        if self.view_end[slot] != 0 and self.refs[slot] == 0 and self.discard(<int>slot) != 0:
+        if (self.view_end[slot] != 0 and self.refs[slot] == 0
+                and self.discard(<int>slot, _process_faults()) != 0):
             raise ArenaError("cannot drop reader %d's private pages of slot %d of arena %s: a "
                              "view of it would show this reader's earlier in-place writes "
                              "(FASTMQ_ARENA_READERS=shared in the writer maps slots shared, "
@@ -407,22 +421,40 @@ cdef class ArenaReaderEnd(ArenaEnd):
         # still left.  Slots with a live view keep their pages: those are
         # the writes of a tensor in use.
         cdef int s
+        cdef uint64_t faults = 0
         if self.owner_pid != fmq_self_pid():
             return    # a forked child: the views and the pages are the parent's
         for s in range(self.n_slots):
             if self.view_end[s] != 0 and self.refs[s] == 0:
-                self.discard(s)
+                if faults == 0:
+                    faults = _process_faults()
+                self.discard(s, faults)
 
-    cdef int discard(self, int slot) noexcept:
+    cdef int discard(self, int slot, uint64_t faults) noexcept:
         """Drop this reader's private copies in ``slot`` (its in-place
         writes) so that the next message there shows the shared bytes: 0,
         or an errno (logged once; resolve() refuses to view the slot).
+        ``faults``: this process's page-fault count, read now (before the
+        walk: a copy made during it counts as after it).
         With the GIL held: another thread's resolve() must not view the
         range while its pages are being dropped."""
-        cdef int fd = _pagemap()
+        cdef int fd
         cdef int err, whole = 0
         cdef uint64_t private_bytes = 0
         cdef char *p = self.slot_ptr(slot)
+        # A private copy is made only by a write fault of this process (a
+        # store, a system call writing into the view, a pin taken for
+        # writing), and every fault counts in getrusage(RUSAGE_SELF): with
+        # the count as it was before the last drop here, there is nothing
+        # to find.  Not in a forked child (its count started again; the
+        # record is its parent's).
+        if (faults != 0 and faults == self.clean_faults[slot]
+                and self.owner_pid == fmq_self_pid()):
+            self.view_end[slot] = 0
+            self.n_walks_skipped += 1
+            return 0
+        self.clean_faults[slot] = 0
+        fd = _pagemap()
         # Only what views covered: a store through one cannot reach past
         # it, and the rest of the slot may hold mapped pages of earlier,
         # larger messages that would make the walk longer for nothing.
@@ -434,6 +466,8 @@ cdef class ArenaReaderEnd(ArenaEnd):
         err = fmq_cow_discard(fd, p, n, &private_bytes, &whole)
         if err == 0:
             self.view_end[slot] = 0
+            if self.owner_pid == fmq_self_pid():
+                self.clean_faults[slot] = faults
             self.n_cow_bytes += private_bytes
             self.n_slot_discards += whole
             return 0
@@ -498,6 +532,7 @@ cdef class ArenaReaderEnd(ArenaEnd):
             "arena_private_bytes_dropped": self.n_cow_bytes,
             "arena_whole_slot_drops": self.n_slot_discards,
             "arena_drop_failures": self.n_discard_failed,
+            "arena_page_walks_skipped": self.n_walks_skipped,
         }
         out.update(self.common_stats())
         return out

@@ -15,6 +15,9 @@
  * anonymous pages (the private copies; present or swapped out) are
  * dropped: one ioctl that walks the slot's page tables (~1.2 ms per
  * 128 MiB read there), and nothing to drop when the reader wrote nothing.
+ * The caller does not call at all while its process has taken no page
+ * fault since the last drop in that range (ArenaReaderEnd.discard): a
+ * private copy is only ever made by a write fault.
  */
 #ifndef FMQ_COW_H
 #define FMQ_COW_H
