@@ -442,14 +442,14 @@ cdef class ArenaReaderEnd(ArenaEnd):
         cdef int err, whole = 0
         cdef uint64_t private_bytes = 0
         cdef char *p = self.slot_ptr(slot)
+        cdef bint owner = self.owner_pid == fmq_self_pid()
         # A private copy is made only by a write fault of this process (a
         # store, a system call writing into the view, a pin taken for
         # writing), and every fault counts in getrusage(RUSAGE_SELF): with
         # the count as it was before the last drop here, there is nothing
         # to find.  Not in a forked child (its count started again; the
         # record is its parent's).
-        if (faults != 0 and faults == self.clean_faults[slot]
-                and self.owner_pid == fmq_self_pid()):
+        if owner and faults != 0 and faults == self.clean_faults[slot]:
             self.view_end[slot] = 0
             self.n_walks_skipped += 1
             return 0
@@ -466,7 +466,7 @@ cdef class ArenaReaderEnd(ArenaEnd):
         err = fmq_cow_discard(fd, p, n, &private_bytes, &whole)
         if err == 0:
             self.view_end[slot] = 0
-            if self.owner_pid == fmq_self_pid():
+            if owner:
                 self.clean_faults[slot] = faults
             self.n_cow_bytes += private_bytes
             self.n_slot_discards += whole

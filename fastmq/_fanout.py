@@ -109,8 +109,9 @@ class Fanout:
         self.ipv6 = ipv6
         self._joining: list[_Joining] = []
         self.readers: list[_Reader] = []
-        self.broken: str | None = None   # why the readers can no longer be served
-        self._broken_by: tuple | None = None   # (rank, pid, how) of the reader that broke it
+        # Why the readers can no longer be served: (text, rank, pid, how) of
+        # the reader whose connection broke (see broken_error).
+        self.broken: tuple | None = None
         self.failed: str | None = None   # why the handshake did not complete
         self.zmq_peer: str | None = None  # the last ZMQ peer that knocked
         self._message: _wire.Outgoing | None = None   # the one going out
@@ -322,22 +323,21 @@ class Fanout:
         if self.broken is not None:
             raise self.broken_error()
 
-    def broken_error(self) -> RuntimeError:
+    def broken_error(self) -> ReaderGoneError:
         """What ``check_readers`` raises once the remote side is broken: a
-        ``ReaderGoneError`` naming the reader whose connection broke."""
-        if self._broken_by is None:
-            return RuntimeError(f"fastmq: {self.broken}")
-        return ReaderGoneError(f"fastmq: {self.broken}", *self._broken_by)
+        ``ReaderGoneError`` naming the reader whose connection broke (a new
+        one each time: a raised exception collects its traceback)."""
+        text, rank, pid, how = self.broken
+        return ReaderGoneError(f"fastmq: {text}", rank, pid, how)
 
     def _break(self, r: _Reader, why: str) -> None:
         r.error = why
         r.out.clear()
-        self._broken_by = (r.rank, r.pid,
-                           "misbehaved" if why.startswith("sent bytes") else "disconnected")
         self.broken = (
             f"{r.describe()} {why} from the writer after the handshake: it died or its "
             "node is unreachable; messages sent since would not reach it, and a remote "
-            "reader cannot rejoin a running queue")
+            "reader cannot rejoin a running queue",
+            r.rank, r.pid, "misbehaved" if why.startswith("sent bytes") else "disconnected")
 
     def cancel(self) -> None:
         """The queue is shutting down: a wait for a message that is not
