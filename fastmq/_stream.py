@@ -42,6 +42,13 @@ class StreamBroken(RuntimeError):
     of messages dropped on the way)."""
 
 
+# After this many messages in a row whose first byte came later than the
+# spin window, a reader waits for the next one in the kernel at once (and
+# spins again after one that came within the window): one late message,
+# a busy core's hiccup, does not cost the next one the spin.
+LONG_WAITS = 4
+
+
 class Stream:
     """A remote reader's end.  ``recv`` is resumable: a deadline that passes
     in the middle of a message leaves it half-read, and the next call goes
@@ -78,6 +85,7 @@ class Stream:
         self._segment_memory: memoryview | None = None
         self._tag = memoryview(bytearray(_seal.TAG_BYTES))   # a segment's tag as received
         self.spin_s = 0.0    # how long a receive spins before it waits in the kernel
+        self._long_waits = 0   # waits in a row for a message's first byte longer than spin_s
         self._received = 0   # bytes received so far (how _drive sees progress)
         self.last_seq = 0    # the last message taken
         self._counter = 0    # its seal counter
@@ -93,22 +101,36 @@ class Stream:
         half-read message stays, as after a timeout)."""
         self.cancelled.set()
 
-    def _drive(self, gen, until):
+    def _drive(self, gen, until, message: bool = False):
         """Run ``gen`` (which yields when it needs more bytes) to its end.
 
         Spins for ``spin_s`` first (non-blocking receives), then waits in
         the kernel: a message that follows closely is taken without the
         wakeup of a sleeping process, which on loopback costs more than
-        the message itself."""
-        spin_until = None
-        seen = -1
+        the message itself.  Before a message's first byte it does not
+        spin once ``LONG_WAITS`` messages in a row came later than the
+        window: a reader whose messages come further apart than ``spin_s``
+        (an engine waiting for a step's answers from remote workers, a
+        reader of large tensors) would otherwise spend the whole window at
+        every message, on a core another process may need, for nothing.
+        (``message``: ``gen`` takes a message; the handshake's waits do
+        not count.)"""
+        start = time.perf_counter()
+        first = self._received if message else -1
+        spin_until = start + (self.spin_s if self._long_waits < LONG_WAITS or not message
+                              else 0.0)
+        seen = self._received
         while True:
             try:
                 next(gen)
             except StopIteration as s:
+                if seen == first:
+                    self._waited(time.perf_counter() - start)
                 return s.value
             now = time.perf_counter()
             if self._received != seen:
+                if seen == first:
+                    self._waited(now - start)
                 # Bytes keep coming (a large message): the next ones are a
                 # socket buffer's drain away, not a step away, so the
                 # window restarts rather than each refill costing a wakeup.
@@ -120,7 +142,15 @@ class Stream:
                 # this one to get off its core).
                 os.sched_yield()
                 continue
-            _wire.wait([(self.fd, select.POLLIN)], until, self.cancelled)
+            try:
+                _wire.wait([(self.fd, select.POLLIN)], until, self.cancelled)
+            except TimeoutError:
+                if seen == first:
+                    self._waited(time.perf_counter() - start)
+                raise
+
+    def _waited(self, wait_s: float) -> None:
+        self._long_waits = 0 if wait_s <= self.spin_s else self._long_waits + 1
 
     def _ensure(self, n: int):
         """Generator: make ``n`` bytes contiguous in the inbox."""
@@ -289,7 +319,7 @@ class Stream:
         """``_drive`` the step in progress; what a failure leaves is the
         same for a message and for a segment of a streamed one."""
         try:
-            frames = self._drive(self._step, until)
+            frames = self._drive(self._step, until, message=True)
         except (TimeoutError, RuntimeError) as e:
             if isinstance(e, TimeoutError) or str(e) == "cancelled":
                 raise   # the half-read message stays, to be resumed

@@ -94,3 +94,53 @@ def test_a_reader_idle_past_its_window_waits_in_the_kernel(monkeypatch):
     finally:
         stream.close()
         fan.close()
+
+
+def test_a_reader_whose_messages_come_late_stops_spinning_for_them(monkeypatch):
+    """Messages further apart than the window: after LONG_WAITS of them the
+    reader waits for the next in the kernel at once (no spin: its core is
+    another process's meanwhile); one that comes within the window brings
+    the spin back."""
+    fan, stream = _connected_pair(spin_s=0.05)
+    try:
+        sock = fan.readers[0].sock
+        yields = 0
+        real_yield = _stream.os.sched_yield
+
+        def counting_yield():
+            nonlocal yields
+            yields += 1
+            real_yield()
+
+        monkeypatch.setattr(_stream.os, "sched_yield", counting_yield)
+        seq = 0
+
+        def take(delay_s: float) -> int:
+            """Message ``seq`` sent ``delay_s`` after the reader starts
+            waiting (0: before): the reader's yields while it waited."""
+            nonlocal seq, yields
+            seq += 1
+            m = _wire.Outgoing(fan.seal, seq, seq, [b"m%d" % seq])
+            wire = b"".join(bytes(p) for k in range(m.n_batches) for p in m.batch(k))
+            if not delay_s:
+                sock.sendall(wire)
+            t = threading.Timer(delay_s, sock.sendall, (wire,)) if delay_s else None
+            if t is not None:
+                t.start()
+            yields = 0
+            try:
+                frames = stream.recv(time.monotonic() + 30)
+            finally:
+                if t is not None:
+                    t.join()
+            assert bytes(frames[0]) == b"m%d" % seq
+            return yields
+
+        late = [take(0.2) for _ in range(_stream.LONG_WAITS + 2)]
+        assert all(late[:_stream.LONG_WAITS]), late       # spun first, each time
+        assert late[_stream.LONG_WAITS:] == [0, 0], late   # then waited at once
+        assert take(0) == 0          # already there: a short wait...
+        assert take(0.2) > 0         # ...and the next late one is spun for again
+    finally:
+        stream.close()
+        fan.close()
