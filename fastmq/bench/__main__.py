@@ -33,7 +33,7 @@ _OPTIONS = (
     ("--first-queues", dict(type=int, metavar="Q", help="tensor: fresh queues per "
                             "implementation, N and run whose first message of each size "
                             "is the first-use figure (the measured queue and Q-1 more that "
-                            "send one message of each size; full: Q=3)")),
+                            "send one message of each size; full: Q=5)")),
     ("--idle-window", dict(type=float, metavar="SECONDS", help="wake: idle-CPU window after "
                            "the last message (full: 5 s)")),
     ("--repeat", dict(type=int, metavar="R", help="run everything R times in turn; each "

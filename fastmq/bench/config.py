@@ -70,7 +70,7 @@ _PRESETS = {
         step_warmup=300, step_min=500, step_max=10_000, step_budget_s=0.4,
         tp_budget_s=0.5, tp_max_msgs=500_000, tp_warmup_reps=1, tp_reps=2,
         tensor_sizes=[16 * MiB, 64 * MiB, 256 * MiB], tensor_warmup=9, tensor_reps=5,
-        tensor_first_queues=3,
+        tensor_first_queues=5,
         wake_samples=20, wake_warmup=30, idle_window_s=5.0, timeout_s=120.0),
 }
 
