@@ -104,6 +104,7 @@ def test_a_reader_whose_messages_come_late_stops_spinning_for_them(monkeypatch):
     fan, stream = _connected_pair(spin_s=0.05)
     try:
         sock = fan.readers[0].sock
+        sock.setblocking(True)
         yields = 0
         real_yield = _stream.os.sched_yield
 
@@ -122,11 +123,12 @@ def test_a_reader_whose_messages_come_late_stops_spinning_for_them(monkeypatch):
             seq += 1
             m = _wire.Outgoing(fan.seal, seq, seq, [b"m%d" % seq])
             wire = b"".join(bytes(p) for k in range(m.n_batches) for p in m.batch(k))
-            if not delay_s:
-                sock.sendall(wire)
-            t = threading.Timer(delay_s, sock.sendall, (wire,)) if delay_s else None
-            if t is not None:
+            t = None
+            if delay_s:
+                t = threading.Timer(delay_s, sock.sendall, (wire,))
                 t.start()
+            else:
+                sock.sendall(wire)
             yields = 0
             try:
                 frames = stream.recv(time.monotonic() + 30)
