@@ -25,9 +25,9 @@ def _connected_pair(spin_s: float):
     return fan, stream
 
 
-def _wire_bytes(fan, payload) -> bytes:
-    """Message 1's bytes on the wire, as ``fan`` would send them."""
-    m = _wire.Outgoing(fan.seal, 1, 1, [payload])
+def _wire_bytes(fan, payload, seq: int = 1) -> bytes:
+    """Message ``seq``'s bytes on the wire, as ``fan`` would send them."""
+    m = _wire.Outgoing(fan.seal, seq, seq, [payload])
     return b"".join(bytes(p) for k in range(m.n_batches) for p in m.batch(k))
 
 
@@ -121,8 +121,7 @@ def test_a_reader_whose_messages_come_late_stops_spinning_for_them(monkeypatch):
             waiting (0: before): the reader's yields while it waited."""
             nonlocal seq, yields
             seq += 1
-            m = _wire.Outgoing(fan.seal, seq, seq, [b"m%d" % seq])
-            wire = b"".join(bytes(p) for k in range(m.n_batches) for p in m.batch(k))
+            wire = _wire_bytes(fan, b"m%d" % seq, seq)
             t = None
             if delay_s:
                 t = threading.Timer(delay_s, sock.sendall, (wire,))
