@@ -991,3 +991,53 @@ def test_first_use_is_the_median_over_fresh_queues(monkeypatch):
     assert [(r["size_bytes"], r["first_ms"], r["first_queues"]) for r in out] == [
         (8 * 1024, 20.0, 3), (16 * 1024, 20.0, 3)]
     assert all(r["p50"] == 1.0 for r in out)
+
+
+def test_oversubscribed_readers_are_pinned_to_the_cores_the_writer_leaves():
+    # More processes than cores: each reader on one core, in turn, never the
+    # first; enough cores: nobody pinned (the scheduler's choice is clean).
+    env = harness.Env.__new__(harness.Env)
+    env.cpus, env.usable_cpus = [0, 1], 2
+    assert env.reader_cpus(1) is None
+    assert env.reader_cpus(2) == [1, 1] and env.reader_cpus(4) == [1, 1, 1, 1]
+    env.cpus, env.usable_cpus = [2, 5, 7, 9], 4
+    assert env.reader_cpus(3) is None
+    assert env.reader_cpus(4) == [5, 7, 9, 5]
+    env.cpus, env.usable_cpus = [3], 1
+    assert env.reader_cpus(2) is None      # one core: nowhere else to go
+
+
+def test_a_reader_group_pins_its_reader_processes():
+    # The processes themselves, not only what the record says: N = the
+    # machine's usable cores is always oversubscribed.
+    env = harness.Env(["fastmq"])
+    n = env.usable_cpus
+    expected = env.reader_cpus(n) or [None] * n
+    params = config.preset("quick")
+    with harness.ReaderGroup(env, impls.IMPLS["fastmq-futex"], n, "step", params) as g:
+        got = [os.sched_getaffinity(p.pid) for p in g.procs]
+    assert got == [{c} if c is not None else set(env.cpus) for c in expected]
+    rec = harness.record("step", "fastmq-futex", n, 1024, "us", env)
+    assert rec["reader_cpus"] == env.reader_cpus(n)
+
+
+def test_the_report_says_which_runs_were_pinned():
+    from types import SimpleNamespace
+
+    from fastmq.bench import runner
+
+    env = SimpleNamespace(usable_cpus=2)
+    recs = [{"scenario": "tensor", "impl": "vllm", "n_readers": 1, "oversubscribed": False,
+             "reader_cpus": None},
+            {"scenario": "tensor", "impl": "vllm", "n_readers": 2, "oversubscribed": True,
+             "reader_cpus": [1, 1]}]
+    notes = runner._notes(recs, config.preset("quick"), env, 0.0, 0.0)
+    pinned = [n for n in notes if "pinned to one core" in n]
+    assert len(pinned) == 1 and "N=2: cores 1, 1" in pinned[0]
+    assert "Real generation" not in pinned[0]
+    recs.append({"scenario": "generate", "impl": "vllm", "n_readers": 2,
+                 "oversubscribed": True, "reader_cpus": None})
+    notes = runner._notes(recs, config.preset("quick"), env, 0.0, 0.0)
+    assert any("Real generation (vLLM's own workers) is not pinned" in n for n in notes)
+    assert not [n for n in runner._notes(recs[:1], config.preset("quick"), env, 0.0, 0.0)
+                if "pinned to one core" in n]

@@ -154,7 +154,9 @@ def run(env, impls, params, progress) -> list[dict]:
                 with open(out) as f:
                     result = json.load(f)
             outputs[impl.name] = result["tokens"]
-            records += [dict(record(NAME, impl.name, n, r.pop("seqs"), "ms", env), **r)
+            # vLLM starts its own workers: nobody pinned.
+            records += [dict(record(NAME, impl.name, n, r.pop("seqs"), "ms", env,
+                                    reader_cpus=None), **r)
                         for r in result["records"]]
         if len({json.dumps(toks) for toks in outputs.values()}) > 1:
             raise BenchError(f"generate TP={n}: {' and '.join(outputs)} generated different "

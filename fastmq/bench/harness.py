@@ -105,13 +105,30 @@ class Env:
 
     def __init__(self, preload: list[str]):
         self.ctx = mp.get_context("forkserver")
-        self.usable_cpus = len(os.sched_getaffinity(0))
+        self.cpus = sorted(os.sched_getaffinity(0))
+        self.usable_cpus = len(self.cpus)
         self.ctx.set_forkserver_preload(preload)
         # Now: it imports the preloads while this process imports its own.
         multiprocessing.forkserver.ensure_running()
 
     def oversubscribed(self, n_readers: int) -> bool:
         return n_readers + 1 > self.usable_cpus
+
+    def reader_cpus(self, n_readers: int) -> list[int] | None:
+        """The core each of ``n_readers`` readers is pinned to, or None (not pinned).
+
+        Only where the readers and the writer outnumber the cores: there the
+        scheduler's placement decided a figure (two readers sharing a core
+        while the writer had the other was up to twice as fast, for every
+        implementation, as a reader sharing the writer's core), so a run's
+        median was a draw of placements.  Pinned, in turn, to every core but
+        the first, the same way for every implementation; the writer is not
+        pinned (its helper threads, fastmq's copy threads and torch's, may
+        use any core), and has the first core mostly to itself."""
+        if not self.oversubscribed(n_readers) or self.usable_cpus < 2:
+            return None
+        rest = self.cpus[1:]
+        return [rest[rank % len(rest)] for rank in range(n_readers)]
 
 
 def _describe(e: BaseException) -> str:
@@ -123,10 +140,14 @@ def _on_sigterm(signum, frame):
     raise SystemExit(143)
 
 
-def reader_main(rank: int, conn, impl, handle, scenario: str, params) -> None:
+def reader_main(rank: int, conn, impl, handle, scenario: str, params,
+                cpu: int | None = None) -> None:
     """A reader process: its scenario's ``reader_loop`` on ``impl``'s queues; a failure
-    is told to the writer over ``conn`` and the answer queue."""
+    is told to the writer over ``conn`` and the answer queue.  ``cpu``: the core it is
+    pinned to (``Env.reader_cpus``), before any queue starts a thread."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     # torch and vLLM live as long as the process: out of the collections closing queues runs.
     gc.freeze()
     queues: list = []
@@ -198,7 +219,8 @@ def groups(env, impls, params, progress, name: str, measure, label: str = "") ->
 def record(name: str, impl: str, n: int, size, unit: str, env, samples=None, scale=1.0,
            **extra) -> dict:
     return {"scenario": name, "impl": impl, "n_readers": n, "size_bytes": size, "unit": unit,
-            "oversubscribed": env.oversubscribed(n) if n else False, **extra,
+            "oversubscribed": env.oversubscribed(n) if n else False,
+            "reader_cpus": env.reader_cpus(n) if n else None, **extra,
             **(summarize(samples, scale) if samples is not None else {})}
 
 
@@ -237,10 +259,12 @@ class ReaderGroup:
         try:
             self.mq = self.impl.queue(self.n)
             self.handles = [self.mq.export_handle()]
+            cpus = self.env.reader_cpus(self.n) or [None] * self.n
             for rank in range(self.n):
                 r, w = self.env.ctx.Pipe(duplex=False)
                 p = self.env.ctx.Process(target=reader_main, daemon=True, args=(
-                    rank, w, self.impl, self.handles[0], self.scenario, self.params))
+                    rank, w, self.impl, self.handles[0], self.scenario, self.params,
+                    cpus[rank]))
                 p.start()
                 w.close()
                 self.procs.append(p)

@@ -80,7 +80,8 @@ def block(result: dict, json_path: str = "bench/results.json", more: tuple = ())
     lines += [render(HEADERS, rows, "lrrr", md=True), "",
               "vs vLLM: vLLM's time / fastmq's (throughput: fastmq's rate / vLLM's; CPU: "
               "vLLM's / fastmq's); above 1x fastmq is faster. Medians of the runs; rows "
-              "marked * had more busy processes than cores.", "",
+              "marked * had more busy processes than cores (their readers pinned to the "
+              "cores the writer leaves, the same for every implementation).", "",
               slower([result] + [r for r, _ in more]), ""]
     for extra, path in more:
         rate = (extra.get("link") or {}).get("rate") or "loopback"

@@ -141,6 +141,18 @@ def _notes(records, params, env, load_start, load_end) -> list[str]:
             f"{', '.join(map(str, over))}) have more busy processes (1 writer + N readers) "
             f"than cores, so their figures include waiting for a core. N=1 (TP=1) is the "
             f"clean figure.")
+    pinned = sorted({(r["n_readers"], tuple(r["reader_cpus"])) for r in records
+                     if r.get("reader_cpus")})
+    if pinned:
+        notes.append(
+            "In those runs each reader process is pinned to one core, the same way for every "
+            "implementation and floor (" + "; ".join(
+                f"N={n}: cores {', '.join(map(str, c))}" for n, c in pinned) + "); the "
+            "writer is not pinned, and no reader is pinned to the first core. Left to the "
+            "scheduler, where the processes land decides these figures (by up to about 2x), "
+            "so that a run's figure is a draw of placements."
+            + (" Real generation (vLLM's own workers) is not pinned."
+               if any(r["scenario"] == "generate" for r in records) else ""))
     busy = figures.busy_note(load_start, load_end, cpus)
     notes += [busy] if busy else []
     if params.preset == "quick":
