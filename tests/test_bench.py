@@ -983,7 +983,7 @@ def test_first_use_is_the_median_over_fresh_queues(monkeypatch):
     params = dataclasses.replace(config.preset("quick"), tensor_sizes=[8 * 1024, 16 * 1024],
                                  tensor_warmup=1, tensor_reps=1, tensor_first_queues=3)
     impl = SimpleNamespace(name="fastmq-futex", family="fastmq", payload="tensor")
-    env = SimpleNamespace(oversubscribed=lambda n: False)
+    env = SimpleNamespace(oversubscribed=lambda n: False, reader_cpus=lambda n: None)
     out = tensor.run(env, [impl], params, None)
     # The measured queue: warm-up and counted messages of each size; the
     # others: one message of each size, sizes rising.
