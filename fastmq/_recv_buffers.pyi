@@ -4,6 +4,7 @@ class PooledBuffer:
 
 class BufferPool:
     reused: int
+    grown: int
     def __init__(self, cap: int) -> None: ...
     def take(self, length: int) -> PooledBuffer: ...
     @property

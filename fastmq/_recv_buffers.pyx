@@ -7,7 +7,12 @@ which becomes the caller's tensor.  Fresh memory costs the kernel a page
 fault and a page of zeros for every 4 KiB before the socket writes it
 again: for a 256 MiB tensor that is as much work as the receive itself.
 Memory that a dropped tensor gave back is already mapped, so the next
-frame of about its size goes straight in.  Fresh memory is populated in
+frame of about its size goes straight in; a frame larger than every kept
+block grows the largest of them (``mremap``), whose pages stay, so only
+the rest is fresh (a reader's messages grow: a longer prompt, a larger
+image).  Fresh pages were most of a first large message's time with
+several readers on one core: each reader faulted in the whole new size
+while keeping the smaller blocks beside it.  Fresh memory is populated in
 one call (``MADV_POPULATE_WRITE``) before the frame is received, which
 costs less than a fault per page taken in the middle of the receive.
 Ordinary pages, not huge ones: with ``MADV_HUGEPAGE`` a first frame was
@@ -29,6 +34,10 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from libc.stdint cimport uintptr_t
 from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, madvise,
                          mmap, munmap)
+
+cdef extern from "<sys/mman.h>" nogil:
+    enum: MREMAP_MAYMOVE
+    void *mremap(void *old_address, size_t old_size, size_t new_size, int flags, ...)
 
 # For Python callers (fastmq._parts).
 POOLED_MIN_BYTES = POOLED_MIN
@@ -119,6 +128,7 @@ cdef class BufferPool:
     cdef size_t held
     cdef size_t cap
     cdef public Py_ssize_t reused
+    cdef public Py_ssize_t grown
 
     def __cinit__(self, Py_ssize_t cap):
         if cap < 0:
@@ -127,26 +137,40 @@ cdef class BufferPool:
         self.n = 0
         self.held = 0
         self.reused = 0
+        self.grown = 0
 
     def take(self, Py_ssize_t length):
         """A writable buffer of exactly ``length`` bytes (contents
         undefined): a kept block that fits (at most twice the size
-        needed), else fresh memory."""
+        needed); else the largest kept block smaller than that, grown to
+        it (``grown``); else fresh memory."""
         if length <= 0:
             raise ValueError(f"BufferPool.take: length must be > 0, got {length}")
         cdef size_t need = _pages(<size_t>length)
-        cdef int i, best = -1
+        cdef int i, best = -1, small = -1
         for i in range(self.n):
             if self.sizes[i] >= need and self.sizes[i] <= 2 * need and (
                     best < 0 or self.sizes[i] < self.sizes[best]):
                 best = i
-        cdef void *p
+            if self.sizes[i] < need and (small < 0 or self.sizes[i] > self.sizes[small]):
+                small = i
+        cdef void *p = MAP_FAILED
         cdef size_t size
         if best >= 0:
             p, size = self.blocks[best], self.sizes[best]
             self._drop(best)
             self.reused += 1
-        else:
+        elif small >= 0:
+            # Moved if it must: the block is no one's until handed out.
+            # Refused (no address space), the block stays kept as it was.
+            p = mremap(self.blocks[small], self.sizes[small], need, MREMAP_MAYMOVE)
+            if p != MAP_FAILED:
+                size = self.sizes[small]
+                self._drop(small)
+                madvise(<char *>p + size, need - size, MADV_POPULATE_WRITE)
+                size = need
+                self.grown += 1
+        if p == MAP_FAILED:
             size = need
             p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
             if p == MAP_FAILED:

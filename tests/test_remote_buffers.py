@@ -72,6 +72,24 @@ def test_the_pool_keeps_no_more_than_its_cap():
     assert pool.held_bytes == 0
 
 
+def test_a_frame_larger_than_every_kept_block_grows_the_largest_one():
+    pool = BufferPool(64 * MiB)
+    small, larger = pool.take(2 * MiB), pool.take(4 * MiB)
+    memoryview(larger)[:4] = b"kept"
+    del small, larger
+    assert pool.held_bytes == 6 * MiB
+    big = pool.take(16 * MiB)
+    assert len(big) == 16 * MiB and pool.grown == 1 and pool.reused == 0
+    # The 4 MiB block is in it (its pages, not fresh zeros); the 2 MiB one stays kept.
+    assert bytes(memoryview(big)[:4]) == b"kept"
+    assert pool.held_bytes == 2 * MiB
+    memoryview(big)[16 * MiB - 1] = 9
+    del big
+    assert pool.held_bytes == 18 * MiB
+    again = pool.take(16 * MiB)          # kept at its new size
+    assert pool.reused == 1 and pool.grown == 1 and memoryview(again)[16 * MiB - 1] == 9
+
+
 @pytest.mark.parametrize("length", [0, -1])
 def test_a_bad_length_is_refused(length):
     with pytest.raises(ValueError, match="length"):
@@ -105,6 +123,28 @@ def test_a_remote_reader_reuses_dropped_frames_and_keeps_live_ones_intact():
             assert torch.equal(got, _tensor(i))
             del got
         assert r.remote_socket.buffers.reused >= 3
+    finally:
+        r.shutdown()
+        w.shutdown()
+
+
+def test_a_remote_reader_grows_a_dropped_frame_for_a_larger_message():
+    w, r = _remote_pair()
+    try:
+        w.enqueue(_tensor(1))
+        got = r.dequeue(timeout=10)
+        assert torch.equal(got, _tensor(1))
+        del got
+        gc.collect()
+        larger = torch.arange(4 * MiB, dtype=torch.int64)      # 32 MiB
+        got = []
+        # Read while the writer sends: more than the sockets hold at once.
+        t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=30)))
+        t.start()
+        w.enqueue(larger, timeout=30)
+        t.join(30)
+        assert torch.equal(got[0], larger)
+        assert r.remote_socket.buffers.grown == 1
     finally:
         r.shutdown()
         w.shutdown()
