@@ -143,7 +143,8 @@ cdef class BufferPool:
         """A writable buffer of exactly ``length`` bytes (contents
         undefined): a kept block that fits (at most twice the size
         needed); else the largest kept block smaller than that, grown to
-        it (``grown``); else fresh memory."""
+        it (``grown``) if the pool could keep the result; else fresh
+        memory."""
         if length <= 0:
             raise ValueError(f"BufferPool.take: length must be > 0, got {length}")
         cdef size_t need = _pages(<size_t>length)
@@ -160,9 +161,11 @@ cdef class BufferPool:
             p, size = self.blocks[best], self.sizes[best]
             self._drop(best)
             self.reused += 1
-        elif small >= 0:
+        elif small >= 0 and need <= self.cap:
             # Moved if it must: the block is no one's until handed out.
             # Refused (no address space), the block stays kept as it was.
+            # (A frame larger than the cap goes back to the kernel once
+            # dropped: it must not take a block the pool could keep.)
             p = mremap(self.blocks[small], self.sizes[small], need, MREMAP_MAYMOVE)
             if p != MAP_FAILED:
                 size = self.sizes[small]

@@ -90,6 +90,17 @@ def test_a_frame_larger_than_every_kept_block_grows_the_largest_one():
     assert pool.reused == 1 and pool.grown == 1 and memoryview(again)[16 * MiB - 1] == 9
 
 
+def test_a_frame_larger_than_the_cap_does_not_take_a_kept_block():
+    pool = BufferPool(8 * MiB)
+    kept = pool.take(4 * MiB)
+    del kept
+    big = pool.take(16 * MiB)            # goes back to the kernel once dropped
+    assert pool.grown == 0 and pool.held_bytes == 4 * MiB
+    del big
+    again = pool.take(4 * MiB)           # the kept block is still there
+    assert pool.reused == 1 and pool.held_bytes == 0
+
+
 @pytest.mark.parametrize("length", [0, -1])
 def test_a_bad_length_is_refused(length):
     with pytest.raises(ValueError, match="length"):
