@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -1019,6 +1020,21 @@ def test_a_reader_group_pins_its_reader_processes():
     assert got == [{c} if c is not None else set(env.cpus) for c in expected]
     rec = harness.record("step", "fastmq-futex", n, 1024, "us", env)
     assert rec["reader_cpus"] == env.reader_cpus(n)
+
+
+def test_a_reader_group_is_entered_once_every_reader_is_serving():
+    # A first-use figure times the queue, not a reader still starting up
+    # (importing its scenario, attaching its answer queue): each reader says
+    # when it went to take its first message, and that is before the group
+    # hands itself to the writer (the harness is the same for every
+    # implementation).
+    env = harness.Env(["fastmq"])
+    params = config.preset("quick")
+    for name in ("fastmq-futex", "fastmq-remote"):
+        with harness.ReaderGroup(env, impls.IMPLS[name], 2, "tensor", params) as g:
+            entered = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+            assert len(g.serving_ns) == 2
+            assert all(0 < t <= entered for t in g.serving_ns), (name, g.serving_ns, entered)
 
 
 def test_the_report_says_which_runs_were_pinned():

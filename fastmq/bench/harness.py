@@ -152,11 +152,14 @@ def reader_main(rank: int, conn, impl, handle, scenario: str, params,
     gc.freeze()
     queues: list = []
     try:
+        loop = importlib.import_module(f"fastmq.bench.{scenario}").reader_loop
         queues += [impl.mq_class().create_from_handle(handle, rank), impl.queue(1, True)]
         conn.send(("ready", queues[1].export_handle()))
         for q in queues:
             q.wait_until_ready()
-        loop = importlib.import_module(f"fastmq.bench.{scenario}").reader_loop
+        # The writer times its first message only from here: a first-use
+        # figure is the queue's, not the reader's own start-up.
+        conn.send(("serving", time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
         conn.send(("done", loop(queues[0].dequeue, queues[1].enqueue, rank, params)))
     except SystemExit:
         raise
@@ -253,6 +256,7 @@ class ReaderGroup:
         self.where, self.timeout = f"{impl.name} ({scenario}, N={n})", params.timeout_s
         self.mq, self.acks, self.handles, self.procs, self.conns = None, [], [], [], []
         self.sent = 0  # messages sent, the stop message excepted
+        self.serving_ns: list[int] = []
         self._errors: dict[int, str] = {}
 
     def __enter__(self) -> "ReaderGroup":
@@ -277,6 +281,9 @@ class ReaderGroup:
             with deadline(self.timeout, f"{self.where}: handshake with the readers"):
                 for q in (self.mq, *self.acks):
                     q.wait_until_ready()
+            # Each reader's clock reading as it went to take its first message.
+            self.serving_ns = [self._expect(rank, "start", "serving")[1]
+                               for rank in range(self.n)]
         except BaseException as e:
             self.close()
             if isinstance(e, Exception) and not isinstance(e, BenchError):
