@@ -2,6 +2,9 @@ cdef class PickleSink:
     cdef char *buf
     cdef Py_ssize_t size
     cdef readonly Py_ssize_t cap
+    # The first ``touched`` bytes of the buffer have pages (all of a
+    # malloc'd one): a write beyond populates ahead first (``ahead``).
+    cdef readonly Py_ssize_t touched
     # The out-of-band buffers of the message in the buffer, and whether
     # the buffer holds a message not yet sent or let go.
     cdef list oob
@@ -25,6 +28,7 @@ cdef class PickleSink:
     cdef readonly bint broken
 
     cdef int grow(self, Py_ssize_t need) except -1
+    cdef void ahead(self, Py_ssize_t end) noexcept
     cdef Py_ssize_t keep(self, object data, Py_ssize_t n) except -1
     cdef int check_unexported(self) except -1
     cdef int check_holding(self) except -1

@@ -9,6 +9,7 @@ class PickleSink:
     broken: bool
     span_bytes: int
     cap: int
+    touched: int
     def __init__(self, to_slot: Callable[[Any], Any] | None = ...,
                  commit: Callable[[], None] | None = ...,
                  abort: Callable[[], None] | None = ..., oob_min: int = ...) -> None: ...

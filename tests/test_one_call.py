@@ -159,6 +159,56 @@ def test_ring_statuses_of_the_one_call_path():
     assert r.dequeue(timeout=5) == "v" * 20000
 
 
+def _resident_bytes(address: int) -> int:
+    """Rss of the mapping of this process that holds ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_the_sink_backs_its_pages_ahead_of_the_pickler():
+    # A large stream's pages are populated a stretch (1 MiB) at a time ahead
+    # of the frames copied in, in one call each, not faulted one by one by
+    # the copies: the buffer is resident past what was written.
+    sink = PickleSink()
+
+    def resident() -> int:
+        address = np.frombuffer(sink, dtype=np.uint8).ctypes.data
+        return _resident_bytes(address)
+
+    sink.write(b"a" * (300 << 10))          # into a fresh 512 KiB mapping
+    assert sink.cap == 512 << 10 and sink.touched == sink.cap
+    assert resident() >= 512 << 10
+    sink.write(b"b" * (500 << 10))          # grown in place to 1 MiB
+    assert sink.cap == 1 << 20 and sink.touched == sink.cap and resident() >= 1 << 20
+    for _ in range(4):                      # 2.8 MiB in all: a 4 MiB mapping
+        sink.write(bytearray(b"c" * (512 << 10)))
+    n = sink.nbytes
+    assert sink.cap == 4 << 20 and n < sink.touched <= min(sink.cap, n + (1 << 20))
+    assert resident() >= sink.touched - 4096
+    assert bytes(memoryview(sink)[(300 << 10) - 1:(300 << 10) + 1]) == b"ab"
+    sink.clear()
+    # A pickled stream in such a buffer reads back intact; shrunk after a
+    # small message, what it keeps is what stays backed.
+    p = pickle.Pickler(sink, protocol=5, buffer_callback=sink.on_buffer)
+    sink.expect(copyreg.dispatch_table, False, sys.modules)
+    many = [f"{i:08d}" * 100 for i in range(3800)]    # about 3 MiB in 64 KiB frames
+    stream, = sink.dump(p, many)
+    assert pickle.loads(stream) == many and sink.touched >= sink.nbytes
+    sink.dump(p, ("small", 1))
+    sink.dump(p, ("small", 2))
+    assert sink.cap == 1 << 20 and sink.touched == sink.cap
+    stream, = sink.dump(p, many)
+    assert pickle.loads(stream) == many and sink.touched >= sink.nbytes
+
+
 def test_the_sink_shrinks_after_a_huge_stream():
     sink = PickleSink()
     p = pickle.Pickler(sink, protocol=5, buffer_callback=sink.on_buffer)
