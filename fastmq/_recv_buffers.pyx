@@ -32,8 +32,7 @@ from cpython.buffer cimport PyBuffer_FillInfo
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uintptr_t
-from posix.mman cimport (MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, madvise,
-                         mmap, munmap)
+from posix.mman cimport MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mmap, munmap
 
 cdef extern from "<sys/mman.h>" nogil:
     enum: MREMAP_MAYMOVE
@@ -41,6 +40,11 @@ cdef extern from "<sys/mman.h>" nogil:
 
 # For Python callers (fastmq._parts).
 POOLED_MIN_BYTES = POOLED_MIN
+
+# Advice: refused (a kernel older than 5.14) or short of memory now, the
+# receive or copy that fills the pages faults them in itself.
+cdef extern from "fmq_populate.h" nogil:
+    int fmq_populate(char *p, size_t n)
 
 cdef extern from "fmq_heap.h" nogil:
     size_t FMQ_HEAP_HINT_MAX
@@ -55,9 +59,6 @@ cdef enum:
     # CIPHER_POOL_BYTES: a megabyte each); the scan of take() is short.
     MAX_FREE = 32
     PAGE = 4096
-    # Linux 5.14; an older kernel refuses it (EINVAL) and the pages are
-    # faulted in as the socket writes them, as before.
-    MADV_POPULATE_WRITE = 23
 
 
 cdef size_t _pages(size_t n):
@@ -70,7 +71,7 @@ cdef void _populate(char *p, size_t n) noexcept:
     # take a fault per page.  Advice only: refused, the copy faults.
     cdef uintptr_t lo = _pages(<uintptr_t>p), hi = (<uintptr_t>p + n) & ~(<uintptr_t>PAGE - 1)
     if n >= (1 << 20) and hi > lo:
-        madvise(<void *>lo, hi - lo, MADV_POPULATE_WRITE)
+        fmq_populate(<char *>lo, hi - lo)
 
 
 def fresh_bytes(Py_ssize_t length):
@@ -170,7 +171,7 @@ cdef class BufferPool:
             if p != MAP_FAILED:
                 size = self.sizes[small]
                 self._drop(small)
-                madvise(<char *>p + size, need - size, MADV_POPULATE_WRITE)
+                fmq_populate(<char *>p + size, need - size)
                 size = need
                 self.grown += 1
         if p == MAP_FAILED:
@@ -178,9 +179,7 @@ cdef class BufferPool:
             p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
             if p == MAP_FAILED:
                 raise MemoryError(f"fastmq: cannot map {length} bytes for a received frame")
-            # Advice: on failure (an old kernel, memory short now) the
-            # receive faults the pages in itself.
-            madvise(p, size, MADV_POPULATE_WRITE)
+            fmq_populate(<char *>p, size)
         cdef PooledBuffer b = PooledBuffer.__new__(PooledBuffer)
         b.p, b.size, b.length, b.pool = <char *>p, size, length, self
         return b
