@@ -55,9 +55,6 @@ cdef extern from "fmq_heap.h" nogil:
 cdef size_t _heap_kept = 0
 
 cdef enum:
-    # Enough for the encrypting writer's blocks (fastmq._wire
-    # CIPHER_POOL_BYTES: a megabyte each); the scan of take() is short.
-    MAX_FREE = 32
     PAGE = 4096
 
 
@@ -123,14 +120,6 @@ cdef class BufferPool:
     """``BufferPool(cap)``: hands out ``PooledBuffer``s and keeps up to
     ``cap`` bytes of the ones given back for the next ``take``."""
 
-    cdef void *blocks[MAX_FREE]
-    cdef size_t sizes[MAX_FREE]
-    cdef int n
-    cdef size_t held
-    cdef size_t cap
-    cdef public Py_ssize_t reused
-    cdef public Py_ssize_t grown
-
     def __cinit__(self, Py_ssize_t cap):
         if cap < 0:
             raise ValueError(f"BufferPool: cap must be >= 0, got {cap}")
@@ -184,13 +173,37 @@ cdef class BufferPool:
         b.p, b.size, b.length, b.pool = <char *>p, size, length, self
         return b
 
-    cdef void _drop(self, int i):
+    cdef PooledBuffer adopt(self, char *p, size_t size, size_t length):
+        # A mapping someone else filled (the writer's pickle sink): a
+        # private anonymous mapping of ``size`` bytes, whole pages, all of
+        # them backed, of which the first ``length`` are the frame.  It is
+        # this pool's from here: kept or unmapped once the frame is dropped.
+        cdef PooledBuffer b = PooledBuffer.__new__(PooledBuffer)
+        b.p, b.size, b.length, b.pool = p, size, length, self
+        return b
+
+    cdef char *reclaim(self, size_t least, size_t *size) noexcept:
+        # The largest kept block of ``least`` bytes or more, out of the pool
+        # for good (the caller unmaps it, or adopts it back); NULL if none.
+        cdef int i, best = -1
+        for i in range(self.n):
+            if self.sizes[i] >= least and (best < 0 or self.sizes[i] > self.sizes[best]):
+                best = i
+        if best < 0:
+            return NULL
+        cdef char *p = <char *>self.blocks[best]
+        size[0] = self.sizes[best]
+        self._drop(best)
+        self.reused += 1
+        return p
+
+    cdef void _drop(self, int i) noexcept:
         self.held -= self.sizes[i]
         self.n -= 1
         self.blocks[i] = self.blocks[self.n]
         self.sizes[i] = self.sizes[self.n]
 
-    cdef void give_back(self, void *p, size_t size):
+    cdef void give_back(self, void *p, size_t size) noexcept:
         # A block larger than the whole cap goes back to the kernel; else
         # kept blocks make room for it (the newest is the likeliest to be
         # asked for again: the same tensor shape, step after step).
@@ -224,11 +237,6 @@ cdef class BufferPool:
 
 cdef class PooledBuffer:
     """Writable memory of one received frame (buffer protocol, ``len``)."""
-
-    cdef char *p
-    cdef size_t size
-    cdef size_t length
-    cdef BufferPool pool
 
     def __getbuffer__(self, Py_buffer *view, int flags):
         PyBuffer_FillInfo(view, self, self.p, self.length, 0, flags)

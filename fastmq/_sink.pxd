@@ -1,3 +1,6 @@
+from fastmq._recv_buffers cimport BufferPool, PooledBuffer
+
+
 cdef class PickleSink:
     cdef char *buf
     cdef Py_ssize_t size
@@ -26,6 +29,9 @@ cdef class PickleSink:
     cdef bint torch_pending
     cdef dict modules
     cdef readonly bint broken
+    # The pool the last stream's buffer was handed to (frames()): the next
+    # message takes its buffer back from there (reclaim).
+    cdef BufferPool lent_to
 
     cdef int grow(self, Py_ssize_t need) except -1
     cdef void ahead(self, Py_ssize_t end) noexcept
@@ -33,6 +39,8 @@ cdef class PickleSink:
     cdef int check_unexported(self) except -1
     cdef int check_holding(self) except -1
     cdef int gather(self, char *out) except -1
+    cdef PooledBuffer hand_over(self, BufferPool pool)
+    cdef int reclaim(self) except -1
     cdef int flatten(self) except -1
     cdef int pickle(self, object pickler, object obj) except -1
     cdef int committed(self) except -1

@@ -13,7 +13,7 @@ pickler hands a payload of 64 KiB or more to ``write`` as the object itself,
 and the sink keeps a reference to one of ``SPAN_MIN`` bytes or more (a
 "span", at its offset in the stream) instead of copying it.  The stream is
 then the buffer with the spans inserted: ``frames()`` gathers it into one
-``bytes`` (one copy: the overflow socket, remote readers), and a message
+buffer (one copy: the overflow socket, remote readers), and a message
 that fits a chunk is flattened into the buffer first (the copy the writer
 made before).  ``stream()``, for the ring's parts, goes further: a span
 that is a ``bytes`` or ``bytearray`` payload (its opcode and length end
@@ -23,6 +23,15 @@ straight into a ``bytes`` (or ``bytearray``) of its own and hand that very
 object to the unpickler (which pushes a buffer as given): one copy on each
 side where pickling in band makes two.  Only the caller's own objects are
 kept, for the length of one ``enqueue()``, as with the out-of-band buffers.
+
+A large stream with no spans (a long list, a big dict) is not copied for a
+socket at all: ``frames(pool)`` hands the sink's own buffer over as a
+frame of the pool, and the next message takes a kept block back from the
+pool as its buffer (the same one, once the send let go of it).  Handing
+over, not lending a view, is what keeps it safe: the sink never writes
+into memory a frame still in flight (a slow reader's socket, a traceback
+holding the frames) can show, and nothing can make the next message fail
+for a view left behind.
 
 The sink also knows what its pickler was built against (the size of
 ``copyreg.dispatch_table``, whether torch was imported yet) and whether
@@ -36,21 +45,27 @@ from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_CheckExact, PyBytes_FromS
 from libc.stdint cimport uint32_t, uint64_t
 from libc.string cimport memcpy, memmove
 
-from fastmq._recv_buffers cimport POOLED_MIN
+from fastmq._recv_buffers cimport POOLED_MIN, BufferPool, PooledBuffer
 
 cdef extern from "fmq_growbuf.h" nogil:
     char *fmq_growbuf_alloc(size_t cap)
     void fmq_growbuf_free(char *p, size_t cap)
     char *fmq_growbuf_resize(char *p, size_t old_cap, size_t new_cap)
     bint fmq_growbuf_mapped(size_t cap)
+    size_t FMQ_GROWBUF_MAP_MIN
 
 cdef extern from "fmq_populate.h" nogil:
     int fmq_populate(char *p, size_t n)
+
+cdef extern from "<sys/mman.h>" nogil:
+    void *mremap(void *old_address, size_t old_size, size_t new_size, int flags, ...)
+    void *MAP_FAILED
 
 cdef enum:
     # The buffer grows by doubling from here; from 256 KiB up it is a
     # mapping of its own that grows without a copy (fmq_growbuf.h).
     FIRST_CAP = 4096
+    PAGE = 4096
     # A buffer grown past this for big streams shrinks back once a message
     # did not need it (checked as the next one starts): a queue that once
     # sent a huge in-band message does not hold that much memory for the
@@ -278,7 +293,9 @@ cdef class PickleSink:
         buffer callback are this sink)."""
         cdef char *p
         self.check_unexported()
-        if self.cap > KEEP_CAP and self.size <= KEEP_CAP:   # (size: the last stream's)
+        if self.lent_to is not None:
+            self.reclaim()
+        elif self.cap > KEEP_CAP and self.size <= KEEP_CAP:   # (size: the last stream's)
             p = fmq_growbuf_resize(self.buf, self.cap, KEEP_CAP)
             if p != NULL:       # else keep the larger buffer: still valid
                 self.buf = p
@@ -349,15 +366,24 @@ cdef class PickleSink:
         self.let_go()
         return frames
 
-    def frames(self, pool=None):
-        """The frames of the message in the buffer: ``[stream, oob...]``,
-        the stream gathered into one buffer of its own: from ``pool`` (a
-        ``fastmq._recv_buffers.BufferPool``) when it is ``POOLED_MIN`` bytes
-        or more, memory that earlier streams used and gave back (a fresh
-        ``bytes`` would cost a page fault per 4 KiB), else a ``bytes``."""
+    def frames(self, BufferPool pool=None):
+        """The frames of the message in the buffer: ``[stream, oob...]``.
+
+        With ``pool`` (a ``fastmq._recv_buffers.BufferPool``), a stream of
+        ``POOLED_MIN`` bytes or more is a ``PooledBuffer`` of that pool: the
+        sink's own buffer itself, handed over, when the stream is all in it
+        (no spans; the sink takes a kept block back for the next message),
+        else a block the stream is gathered into, memory that earlier
+        streams used and gave back (a fresh ``bytes`` would cost a page
+        fault per 4 KiB).  Otherwise the stream is gathered into a
+        ``bytes``.  Either way the stream's frame is nobody's but the
+        caller's: the sink never writes into it again."""
         self.check_holding()
         cdef Py_ssize_t total = self.size + self.span_bytes
         cdef Py_buffer v
+        if pool is not None and total >= POOLED_MIN and not self.spans \
+                and fmq_growbuf_mapped(self.cap):
+            return [self.hand_over(pool)] + self.oob
         if pool is not None and total >= POOLED_MIN:
             out = pool.take(total)
             PyObject_GetBuffer(out, &v, PyBUF_WRITABLE)
@@ -402,6 +428,50 @@ cdef class PickleSink:
     cdef int check_holding(self) except -1:
         if not self.holding:
             raise RuntimeError("fastmq: no pickled message in the sink")
+        return 0
+
+    cdef PooledBuffer hand_over(self, BufferPool pool):
+        # The stream's mapping becomes a frame of ``pool`` (the caller's
+        # alone: no view of the sink is exported, so nothing the sink does
+        # next can change it), and the sink starts again from a small
+        # buffer.  Sending the stream from where the pickler wrote it saves
+        # a copy of it, and on a first message the fresh pages of a second
+        # buffer as large.  The mapping goes to the pool backed pages only:
+        # the unbacked tail past ``touched`` is unmapped here (a pool's
+        # blocks are backed throughout).
+        self.check_unexported()
+        cdef char *small = fmq_growbuf_alloc(FIRST_CAP)
+        if small == NULL:
+            raise MemoryError()
+        cdef size_t keep = (<size_t>self.touched + PAGE - 1) & ~(<size_t>PAGE - 1)
+        cdef void *p
+        if keep < <size_t>self.cap:
+            # Shrinking in place neither moves nor fails but for a kernel
+            # out of memory for the split; then the whole mapping goes.
+            p = mremap(self.buf, self.cap, keep, 0)
+            if p == MAP_FAILED:
+                keep = self.cap
+        out = pool.adopt(self.buf, keep, self.size)
+        self.buf = small
+        self.cap = self.touched = FIRST_CAP
+        self.size = 0
+        self.holding = False    # (its out-of-band buffers go with let_go)
+        self.lent_to = pool
+        return out
+
+    cdef int reclaim(self) except -1:
+        # Before the next message after a hand-over: a block the pool keeps
+        # (the handed-over one, once the send let go of it) becomes the
+        # buffer again, backed throughout, so that a stream as large as the
+        # last is written without a fresh page.  None kept: the small
+        # buffer grows as for a first message.
+        cdef size_t n = 0
+        cdef char *p = self.lent_to.reclaim(FMQ_GROWBUF_MAP_MIN, &n)
+        self.lent_to = None
+        if p != NULL:
+            fmq_growbuf_free(self.buf, self.cap)
+            self.buf = p
+            self.cap = self.touched = <Py_ssize_t>n
         return 0
 
     cdef int gather(self, char *out) except -1:

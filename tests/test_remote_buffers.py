@@ -203,6 +203,54 @@ def test_a_writer_sends_large_in_band_streams_from_reused_memory():
         w.shutdown()
 
 
+def test_a_large_stream_is_sent_from_the_memory_it_was_pickled_into():
+    # A large stream with no large payload in it (a long list) used to be
+    # copied out of the sink's buffer into pooled memory for the socket.
+    # Now the sink's buffer itself is the frame (handed over, not lent),
+    # and the next message takes a block the pool kept back as its buffer.
+    import pickle
+
+    w, (r,) = local_pair(max_chunk_bytes=1 * MiB, max_chunks=4, enable_shm_tensor_arena=False)
+    ring, enc = w._ring, w._end.encoder
+    sink = enc.sink
+
+    def pickled(tag: int) -> tuple:
+        # The message left in the sink (too big for a chunk), and where
+        # the sink's buffer holding it is.
+        obj = [bytes([tag]) * 1000 + str(k).encode() for k in range(4000)]
+        assert ring.send_object(obj, enc.pickler, sink, 1) == 0
+        with memoryview(sink) as mv:
+            at = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+        return obj, at
+
+    try:
+        obj1, at1 = pickled(1)
+        first, *oob = sink.frames(enc.pool)
+        assert not oob and _addr(first) == at1 and pickle.loads(first) == obj1
+        assert sink.cap < MiB   # the buffer went with the frame
+        with pytest.raises(RuntimeError, match="no pickled message"):
+            sink.frames(enc.pool)
+        sink.clear()
+        # The first frame is still held (a slow socket, a traceback): the
+        # next message is pickled elsewhere and leaves it as it was.
+        obj2, at2 = pickled(2)
+        second, = sink.frames(enc.pool)
+        sink.clear()
+        assert at2 != at1 and pickle.loads(second) == obj2 and pickle.loads(first) == obj1
+        # Both dropped: the next message is pickled into one of them.
+        del first, second
+        obj3, at3 = pickled(3)
+        third, = sink.frames(enc.pool)
+        sink.clear()
+        assert at3 in (at1, at2) and _addr(third) == at3 and pickle.loads(third) == obj3
+        del third
+        w.enqueue(("after", 1), timeout=5)
+        assert r.dequeue(timeout=5) == ("after", 1)
+    finally:
+        r.shutdown()
+        w.shutdown()
+
+
 def test_an_encrypting_writer_seals_segments_into_blocks_that_go_round():
     # "encrypt": each 1 MiB segment's ciphertext used to be a fresh bytes
     # (fresh pages on every message); now a few pooled blocks go round,
