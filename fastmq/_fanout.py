@@ -28,10 +28,9 @@ import sys
 import threading
 import time
 
-from fastmq import _keys, _seal, _wire
+from fastmq import _keys, _pools, _seal, _wire
 from fastmq._gone import ReaderGoneError
 from fastmq._outbox import Outbox
-from fastmq._recv_buffers import BufferPool
 from fastmq._wire import CHALLENGE, HELLO, MAGIC, READY, PeerGone
 
 logger = logging.getLogger("fastmq")
@@ -92,9 +91,8 @@ class Fanout:
         # handed out again, whatever exception follows.
         self._counters = itertools.count(1)
         # "encrypt": memory for a message's ciphertext, reused message
-        # after message (fastmq._wire.Outgoing).
-        self._ciphertexts = (BufferPool(_wire.CIPHER_POOL_BYTES)
-                             if security == "encrypt" else None)
+        # after message (fastmq._wire.Outgoing), the process's (fastmq._pools).
+        self._ciphertexts = _pools.ciphertexts() if security == "encrypt" else None
         family = socket.AF_INET6 if ipv6 else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         try:

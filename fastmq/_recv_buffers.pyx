@@ -218,6 +218,16 @@ cdef class BufferPool:
         self.n += 1
         self.held += size
 
+    def set_cap(self, Py_ssize_t cap):
+        """Keep up to ``cap`` bytes from now on (what is kept beyond it goes
+        back to the kernel at once, oldest first)."""
+        if cap < 0:
+            raise ValueError(f"BufferPool: cap must be >= 0, got {cap}")
+        self.cap = cap
+        while self.n and self.held > self.cap:
+            munmap(self.blocks[0], self.sizes[0])
+            self._drop(0)
+
     @property
     def held_bytes(self):
         """Bytes kept for reuse now."""

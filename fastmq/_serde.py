@@ -18,8 +18,7 @@ import sys
 from pickle import PickleBuffer
 from typing import Any
 
-from fastmq import _config
-from fastmq._recv_buffers import BufferPool
+from fastmq import _pools
 from fastmq._ring import decode_frames, decode_stream
 from fastmq._sink import PickleSink
 
@@ -142,10 +141,11 @@ class Encoder:
             to_slot = getattr(arena, "copy_to_slot", None)
             commit = getattr(arena, "commit", None)
             abort = getattr(arena, "abort", None)
-        self.sink = PickleSink(to_slot, commit, abort, oob_min_bytes)
-        # Memory for large streams gathered for a socket (remote readers,
-        # the overflow path), reused once the send lets go of it.
-        self.pool = BufferPool(_config.remote_buffers_bytes())
+        # Memory for large streams sent over a socket (remote readers, the
+        # overflow path), reused once the send lets go of it: the process's,
+        # shared by its queues (fastmq._pools).
+        self.pool = _pools.streams()
+        self.sink = PickleSink(to_slot, commit, abort, oob_min_bytes, self.pool)
         self.pickler = None
         self.refresh()
 

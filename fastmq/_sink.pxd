@@ -29,6 +29,9 @@ cdef class PickleSink:
     cdef bint torch_pending
     cdef dict modules
     cdef readonly bint broken
+    # Where a large buffer comes from and goes back to (the process's pool,
+    # fastmq._pools), or None: mappings of the sink's own.
+    cdef BufferPool home
     # The pool the last stream's buffer was handed to (frames()): the next
     # message takes its buffer back from there (reclaim).
     cdef BufferPool lent_to
@@ -40,7 +43,8 @@ cdef class PickleSink:
     cdef int check_holding(self) except -1
     cdef int gather(self, char *out) except -1
     cdef PooledBuffer hand_over(self, BufferPool pool)
-    cdef int reclaim(self) except -1
+    cdef int put_back(self) except -1
+    cdef bint reclaim(self, BufferPool pool, Py_ssize_t least) except -1
     cdef int flatten(self) except -1
     cdef int pickle(self, object pickler, object obj) except -1
     cdef int committed(self) except -1

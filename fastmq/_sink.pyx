@@ -128,8 +128,19 @@ cdef int _copy_span(object data, Py_ssize_t n, char *out) except -1:
     return 0
 
 
+cdef size_t _trimmed(char *p, Py_ssize_t cap, Py_ssize_t touched) noexcept:
+    # A mapped buffer cut down, in place, to the whole pages that cover its
+    # first ``touched`` bytes (what it has backed): its length now.
+    # Shrinking neither moves nor fails but for a kernel out of memory for
+    # the split; then all of it stays.
+    cdef size_t keep = (<size_t>touched + PAGE - 1) & ~(<size_t>PAGE - 1)
+    if 0 < keep < <size_t>cap and mremap(p, <size_t>cap, keep, 0) != MAP_FAILED:
+        return keep
+    return <size_t>cap
+
+
 cdef class PickleSink:
-    """``PickleSink(to_slot=None, commit=None, abort=None, oob_min=1 MiB)``.
+    """``PickleSink(to_slot=None, commit=None, abort=None, oob_min=1 MiB, pool=None)``.
 
     ``to_slot(buf)`` (the tensor arena's ``copy_to_slot``) is asked first
     for every ``PickleBuffer`` and may return a slot descriptor to send out
@@ -137,9 +148,13 @@ cdef class PickleSink:
     published, so its slots belong to the readers, and ``abort()`` when
     sending it failed before anything was published, so they are free.
     Out-of-band buffers of ``oob_min`` bytes and more travel beside the
-    stream, smaller ones in band."""
+    stream, smaller ones in band.  ``pool`` (a ``BufferPool``: the
+    process's, ``fastmq._pools.streams()``) is where a large buffer comes
+    from when it can, and where it goes once messages no longer need it or
+    the sink is dropped."""
 
-    def __cinit__(self, to_slot=None, commit=None, abort=None, Py_ssize_t oob_min=1 << 20):
+    def __cinit__(self, to_slot=None, commit=None, abort=None, Py_ssize_t oob_min=1 << 20,
+                  BufferPool pool=None):
         self.buf = fmq_growbuf_alloc(FIRST_CAP)
         if self.buf == NULL:
             raise MemoryError()
@@ -150,6 +165,7 @@ cdef class PickleSink:
         self.commit = commit
         self.abort = abort
         self.oob_min = oob_min
+        self.home = pool
         self.oob = []
         self.spans = []
         self.span_bytes = 0
@@ -159,7 +175,11 @@ cdef class PickleSink:
         self.broken = True    # no pickler built yet
 
     def __dealloc__(self):
-        fmq_growbuf_free(self.buf, self.cap)
+        # (home is None here if a GC pass cleared it first: then unmapped.)
+        if self.buf != NULL and self.home is not None and fmq_growbuf_mapped(self.cap):
+            self.home.give_back(self.buf, _trimmed(self.buf, self.cap, self.touched))
+        else:
+            fmq_growbuf_free(self.buf, self.cap)
         self.buf = NULL
 
     def expect(self, dict copyreg_table, bint torch_pending, dict modules):
@@ -249,6 +269,10 @@ cdef class PickleSink:
         cdef Py_ssize_t cap = self.cap
         while cap < need:
             cap *= 2
+        # Large: memory the process kept (an earlier stream's, of this
+        # queue or another) before fresh pages.
+        if self.home is not None and fmq_growbuf_mapped(cap) and self.reclaim(self.home, cap):
+            return 0
         cdef Py_ssize_t old = self.cap
         cdef char *p = fmq_growbuf_resize(self.buf, self.cap, cap)
         if p == NULL:
@@ -293,9 +317,18 @@ cdef class PickleSink:
         buffer callback are this sink)."""
         cdef char *p
         self.check_unexported()
-        if self.lent_to is not None:
-            self.reclaim()
-        elif self.cap > KEEP_CAP and self.size <= KEEP_CAP:   # (size: the last stream's)
+        cdef BufferPool lent = self.lent_to
+        if lent is not None:
+            # After a hand-over: a block the pool keeps (the handed-over
+            # one, once the send let go of it) is the buffer again, so a
+            # stream as large as the last is written without a fresh page.
+            self.lent_to = None
+            self.reclaim(lent, FMQ_GROWBUF_MAP_MIN)
+        elif self.cap > KEEP_CAP and self.size <= KEEP_CAP and self.home is not None:
+            # (size: the last stream's.)  Back to the process's pool, where
+            # the next large stream of any queue takes it.
+            self.put_back()
+        elif self.cap > KEEP_CAP and self.size <= KEEP_CAP:
             p = fmq_growbuf_resize(self.buf, self.cap, KEEP_CAP)
             if p != NULL:       # else keep the larger buffer: still valid
                 self.buf = p
@@ -430,28 +463,23 @@ cdef class PickleSink:
             raise RuntimeError("fastmq: no pickled message in the sink")
         return 0
 
+    # -- where a large buffer comes from and goes -------------------------
+    # A pool's blocks are private anonymous mappings of whole pages, backed
+    # throughout; a mapped buffer goes to a pool cut down to the pages it
+    # has backed (_trimmed), and one taken from a pool is backed to its end.
+
     cdef PooledBuffer hand_over(self, BufferPool pool):
         # The stream's mapping becomes a frame of ``pool`` (the caller's
         # alone: no view of the sink is exported, so nothing the sink does
         # next can change it), and the sink starts again from a small
         # buffer.  Sending the stream from where the pickler wrote it saves
         # a copy of it, and on a first message the fresh pages of a second
-        # buffer as large.  The mapping goes to the pool backed pages only:
-        # the unbacked tail past ``touched`` is unmapped here (a pool's
-        # blocks are backed throughout).
+        # buffer as large.
         self.check_unexported()
         cdef char *small = fmq_growbuf_alloc(FIRST_CAP)
         if small == NULL:
             raise MemoryError()
-        cdef size_t keep = (<size_t>self.touched + PAGE - 1) & ~(<size_t>PAGE - 1)
-        cdef void *p
-        if keep < <size_t>self.cap:
-            # Shrinking in place neither moves nor fails but for a kernel
-            # out of memory for the split; then the whole mapping goes.
-            p = mremap(self.buf, self.cap, keep, 0)
-            if p == MAP_FAILED:
-                keep = self.cap
-        out = pool.adopt(self.buf, keep, self.size)
+        out = pool.adopt(self.buf, _trimmed(self.buf, self.cap, self.touched), self.size)
         self.buf = small
         self.cap = self.touched = FIRST_CAP
         self.size = 0
@@ -459,20 +487,36 @@ cdef class PickleSink:
         self.lent_to = pool
         return out
 
-    cdef int reclaim(self) except -1:
-        # Before the next message after a hand-over: a block the pool keeps
-        # (the handed-over one, once the send let go of it) becomes the
-        # buffer again, backed throughout, so that a stream as large as the
-        # last is written without a fresh page.  None kept: the small
-        # buffer grows as for a first message.
-        cdef size_t n = 0
-        cdef char *p = self.lent_to.reclaim(FMQ_GROWBUF_MAP_MIN, &n)
-        self.lent_to = None
-        if p != NULL:
-            fmq_growbuf_free(self.buf, self.cap)
-            self.buf = p
-            self.cap = self.touched = <Py_ssize_t>n
+    cdef int put_back(self) except -1:
+        # The mapped buffer to the home pool; a small one in its place.
+        cdef char *small = fmq_growbuf_alloc(FIRST_CAP)
+        if small == NULL:
+            return 0    # keep the large one: still valid
+        self.home.give_back(self.buf, _trimmed(self.buf, self.cap, self.touched))
+        self.buf = small
+        self.cap = self.touched = FIRST_CAP
         return 0
+
+    cdef bint reclaim(self, BufferPool pool, Py_ssize_t least) except -1:
+        # The largest block of ``least`` bytes or more that ``pool`` keeps
+        # becomes the buffer, the stream written so far copied into it (a
+        # mapped buffer it replaces goes to the home pool); False, nothing
+        # changed, when the pool keeps none.
+        cdef size_t n = 0
+        if least < FMQ_GROWBUF_MAP_MIN:
+            least = FMQ_GROWBUF_MAP_MIN     # (the buffer's kind follows from its size)
+        cdef char *p = pool.reclaim(<size_t>least, &n)
+        if p == NULL:
+            return False
+        if self.size:
+            memcpy(p, self.buf, self.size)
+        if self.home is not None and fmq_growbuf_mapped(self.cap):
+            self.home.give_back(self.buf, _trimmed(self.buf, self.cap, self.touched))
+        else:
+            fmq_growbuf_free(self.buf, self.cap)
+        self.buf = p
+        self.cap = self.touched = <Py_ssize_t>n
+        return True
 
     cdef int gather(self, char *out) except -1:
         # The stream into ``out`` (size + span_bytes bytes): the buffer's

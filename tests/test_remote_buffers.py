@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import pickle
 import threading
 import time
 
@@ -170,6 +171,10 @@ def test_keeping_no_buffers_is_a_setting(monkeypatch):
             assert int(r.dequeue(timeout=10)[0]) == i
         assert r.remote_socket.buffers.reused == 0
         assert r.remote_socket.buffers.held_bytes == 0
+        # The writer's process keeps none either from now on.
+        w.enqueue([bytes(1000)] * 3000)
+        assert r.dequeue(timeout=10) == [bytes(1000)] * 3000
+        assert w._end.encoder.pool.held_bytes == 0
     finally:
         r.shutdown()
         w.shutdown()
@@ -193,23 +198,27 @@ def test_a_writer_sends_large_in_band_streams_from_reused_memory():
     # the last one gave back once it was sent, not into fresh pages.
     w, r = _remote_pair()
     try:
+        pool = w._end.encoder.pool
+        before = pool.reused
         for i in range(4):
             msg = [bytes([i]) * 1000 + str(k).encode() for k in range(3000)]
             w.enqueue(msg)
             assert r.dequeue(timeout=10) == msg
-        assert w._end.encoder.pool.reused >= 3
+        assert pool.reused - before >= 3
     finally:
         r.shutdown()
         w.shutdown()
 
 
-def test_a_large_stream_is_sent_from_the_memory_it_was_pickled_into():
+def test_a_large_stream_is_sent_from_the_memory_it_was_pickled_into(monkeypatch):
     # A large stream with no large payload in it (a long list) used to be
     # copied out of the sink's buffer into pooled memory for the socket.
     # Now the sink's buffer itself is the frame (handed over, not lent),
     # and the next message takes a block the pool kept back as its buffer.
-    import pickle
+    from fastmq import _pools
 
+    # The process's pool, fresh for this test: no block of an earlier one.
+    monkeypatch.setattr(_pools, "_streams", BufferPool(64 * MiB))
     w, (r,) = local_pair(max_chunk_bytes=1 * MiB, max_chunks=4, enable_shm_tensor_arena=False)
     ring, enc = w._ring, w._end.encoder
     sink = enc.sink
@@ -251,6 +260,36 @@ def test_a_large_stream_is_sent_from_the_memory_it_was_pickled_into():
         w.shutdown()
 
 
+def test_a_new_queue_sends_from_memory_an_earlier_queue_of_the_process_gave_back():
+    # Writers keep the memory they send large messages from once per
+    # process, not per queue: a queue made after another was dropped (or
+    # beside it) starts from what that one gave back, as a malloc'd buffer
+    # would for vLLM's writer, instead of faulting in fresh pages.
+    import resource
+
+    from fastmq import _pools
+    from fastmq._serde import Encoder
+    from fastmq._sink import PickleSink
+
+    msg = [bytes(1000) + k.to_bytes(24, "little") for k in range(8000)]      # 8 MiB
+    first = Encoder()
+    assert first.pool is _pools.streams() and Encoder().pool is first.pool
+    del first.encode(msg)[0]
+    del first
+    second = Encoder()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    frames = second.encode(msg)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < len(frames[0]) // 4096 // 4, faults      # fresh: about one a page
+    del frames
+    # A sink dropped with a large buffer gives it to its pool too.
+    pool = BufferPool(64 * MiB)
+    sink = PickleSink(pool=pool)
+    sink.dump(pickle.Pickler(sink, protocol=5), msg)
+    del sink
+    assert pool.held_bytes >= 8 * MiB
+
+
 def test_an_encrypting_writer_seals_segments_into_blocks_that_go_round():
     # "encrypt": each 1 MiB segment's ciphertext used to be a fresh bytes
     # (fresh pages on every message); now a few pooled blocks go round,
@@ -258,10 +297,11 @@ def test_an_encrypting_writer_seals_segments_into_blocks_that_go_round():
     w, r = _remote_pair(remote_security="encrypt")
     try:
         pool = w._end.fanout._ciphertexts
+        before = pool.reused
         for i in range(4):
             w.enqueue(_tensor(i))           # 3 MiB: three sealed segments
             assert torch.equal(r.dequeue(timeout=10), _tensor(i))
-        assert pool.reused >= 8
+        assert pool.reused - before >= 8
         assert pool.held_bytes <= _wire.CIPHER_POOL_BYTES
     finally:
         r.shutdown()
@@ -292,6 +332,7 @@ def test_an_encrypting_writer_holds_the_fastest_reader_near_the_slowest():
                threading.Thread(target=read, args=(1, 0.2))]
     try:
         pool = w._end.fanout._ciphertexts
+        before = pool.reused
         for t in threads:
             t.start()
         for i in range(n_msgs):
@@ -300,7 +341,7 @@ def test_an_encrypting_writer_holds_the_fastest_reader_near_the_slowest():
             t.join(30)
         assert not errors and got == {0: list(range(n_msgs)), 1: list(range(n_msgs))}
         segments = n_msgs * size // _wire.SEGMENT_BYTES
-        fresh = segments - pool.reused
+        fresh = segments - (pool.reused - before)
         assert fresh <= 2 * _wire.CIPHER_LEAD_BATCHES + 2, (fresh, segments)
         assert pool.held_bytes <= _wire.CIPHER_POOL_BYTES
     finally:

@@ -1,9 +1,13 @@
-/* fmq_copy.h: one large copy into an arena slot, split over threads.
+/* fmq_copy.h: one large copy into an arena slot, split over threads; and
+ * populating a large fresh buffer the same way.
  *
  * Where one thread does not saturate memory bandwidth, copying parts of a
  * large buffer in parallel shortens the writer's enqueue().  Each part first
  * populates its cold pages (fmq_populate.h), so a full /dev/shm becomes an
- * error return before any byte is stored, never a SIGBUS.
+ * error return before any byte is stored, never a SIGBUS.  Fresh pages are
+ * bound by the kernel's work per page (allocate, zero, map), which two
+ * threads do at nearly twice the rate: a remote reader's first large frame
+ * is received into memory populated so (fmq_parallel_populate).
  */
 #ifndef FMQ_COPY_H
 #define FMQ_COPY_H
@@ -25,7 +29,8 @@ static inline void fmq_copy_part_run(fmq_copy_part_t *p) {
         p->err = fmq_populate(p->dst + p->cold, p->n - p->cold);
         if (p->err) return;
     }
-    memcpy(p->dst, p->src, p->n);
+    if (p->src != NULL)
+        memcpy(p->dst, p->src, p->n);
 }
 
 static void *fmq_copy_part_thread(void *arg) {
@@ -74,6 +79,14 @@ static inline int fmq_parallel_copy(char *dst, const char *src, size_t n, size_t
         if (!err) err = parts[i].err;
     }
     return err;
+}
+
+/* Populate n bytes at p (whole pages, as fmq_populate) with up to
+ * `threads` threads, parts of min_part bytes at least: the copy above
+ * with nothing to copy.  Returns 0 or the errno of a failed populate. */
+static inline int fmq_parallel_populate(char *p, size_t n, int threads, size_t min_part) {
+    int used;
+    return fmq_parallel_copy(p, NULL, n, 0, threads, min_part, &used);
 }
 
 #endif /* FMQ_COPY_H */
