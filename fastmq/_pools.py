@@ -33,7 +33,7 @@ def streams() -> BufferPool:
     global _streams
     cap = _config.remote_buffers_bytes()
     if _streams is None:
-        _streams = BufferPool(cap)
+        _streams = BufferPool(cap, _config.default_copy_threads())
     else:
         _streams.set_cap(cap)
     return _streams

@@ -121,7 +121,8 @@ class LocalReader(_ReaderEnd):
         self._parts = None           # a message arriving in parts (fastmq._parts)
         # Memory kept for the next large message (its parts, or its
         # out-of-band buffers copied out of a chunk), once the last is dropped.
-        self._part_buffers = BufferPool(_config.remote_buffers_bytes())
+        self._part_buffers = BufferPool(_config.remote_buffers_bytes(),
+                                        _config.default_copy_threads())
         self._cancel_send = None
         self.buffer = None
         context = zmq.Context()
@@ -434,7 +435,8 @@ class RemoteReader:
         psk = _keys.reader_psk(handle, security)
         self.remote_socket = self.stream = _stream.Stream(
             handle.remote_subscribe_addr, handle.remote_addr_ipv6, security, psk, rank,
-            keep_bytes=_config.remote_buffers_bytes())
+            keep_bytes=_config.remote_buffers_bytes(),
+            fill_threads=_config.default_copy_threads())
         spin_us = getattr(handle, "spin_us", None)
         self.stream.spin_s = (_config.spin_us(None) if spin_us is None else spin_us) / 1e6
         self.stream.start_hello()

@@ -22,6 +22,7 @@ cdef class BufferPool:
     cdef int n
     cdef size_t held
     cdef size_t cap
+    cdef int threads
     cdef public Py_ssize_t reused
     cdef public Py_ssize_t grown
 

@@ -58,7 +58,7 @@ class Stream:
     DIRECT_BYTES = 64 * 1024    # reads this large go straight into the frame
 
     def __init__(self, address: str, ipv6: bool, security: str, psk: bytes | None,
-                 rank: int, keep_bytes: int = 0):
+                 rank: int, keep_bytes: int = 0, fill_threads: int = 1):
         self.security = security
         self.psk = psk
         self.seal: _seal.Seal | None = _seal.Seal("none", None) if security == "none" else None
@@ -76,7 +76,7 @@ class Stream:
         self._step = None    # the message being received (a generator)
         # Large frames' memory, reused once the caller dropped it (see
         # fastmq._recv_buffers: fresh pages cost as much as receiving into them).
-        self.buffers = BufferPool(keep_bytes)
+        self.buffers = BufferPool(keep_bytes, fill_threads)
         # "encrypt": where a segment's ciphertext lands before it is
         # decrypted into its frame; one for the stream's life (its pages
         # stay mapped and warm, segment after segment).

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fastmq import _config, _cuda, segments
+from fastmq._config import default_copy_threads
 from fastmq._arena import ArenaError, SlotBuffer, is_descriptor, layout
 from fastmq._arena_reader import ArenaReaderEnd
 from fastmq._arena_writer import ArenaWriterEnd
@@ -79,21 +80,6 @@ class ArenaSizing:
     prefault: str | int
     copy_threads: int
     readers: str = "isolated"
-
-
-def default_copy_threads() -> int:
-    """Half the CPUs this process may use, at least 2 (where there are
-    two), at most 4.  A copy into pages already in place is bound by
-    memory bandwidth, which one thread nearly saturates on a small VM;
-    a copy into fresh pages (a slot's first use) is bound by the page
-    faults, which two threads take at nearly twice the rate (measured on
-    2 vCPUs: 64 MiB in about 30 ms instead of 60); a big host with several
-    memory channels needs a few threads, and its readers need cores too."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(min(cpus, 2), min(4, cpus // 2))
 
 
 def _int_option(options: dict, key: str, env: str, default: int, minimum: int) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from fastmq import MessageQueue, _wire
 from fastmq._recv_buffers import BufferPool
+from fastmq.shm_usage import resident_bytes
 
 from _queues import local_pair
 
@@ -33,6 +34,24 @@ def test_a_buffer_has_exactly_the_length_asked_and_is_writable():
     assert (mv.nbytes, mv.readonly) == (3 * MiB + 5, False)
     mv[-1] = 7
     assert mv[-1] == 7
+
+
+def test_fresh_memory_is_populated_whole_by_several_threads():
+    # A large fresh block is populated before the frame is received into
+    # it, split over threads (the kernel's work per fresh page is most of
+    # a first large frame's cost, and a core is free while the reader
+    # waits): every page is resident when take() returns, and so are the
+    # new pages of a block grown for a larger frame.
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        BufferPool(64 * MiB, 0)
+    pool = BufferPool(64 * MiB, 2)
+    b = pool.take(16 * MiB)
+    assert resident_bytes(_addr(b), 16 * MiB) == 16 * MiB
+    memoryview(b)[:] = b"\x05" * (16 * MiB)
+    del b
+    grown = pool.take(24 * MiB)             # the 16 MiB block, grown
+    assert pool.grown == 1 and resident_bytes(_addr(grown), 24 * MiB) == 24 * MiB
+    assert bytes(memoryview(grown)[16 * MiB - 1:16 * MiB + 1]) == b"\x05\x00"
 
 
 def test_memory_comes_back_only_when_the_last_view_is_gone():

@@ -59,7 +59,7 @@ static inline int fmq_parallel_copy(char *dst, const char *src, size_t n, size_t
     for (i = 0; i < t && off < n; i++) {
         len = (i == t - 1 || part > n - off) ? n - off : part;
         parts[i].dst = dst + off;
-        parts[i].src = src + off;
+        parts[i].src = src != NULL ? src + off : NULL;   /* NULL: populate only */
         parts[i].n = len;
         parts[i].cold = cold_from <= off ? 0 : (cold_from - off < len ? cold_from - off : len);
         parts[i].err = 0;
