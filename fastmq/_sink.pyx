@@ -479,7 +479,13 @@ cdef class PickleSink:
         cdef char *small = fmq_growbuf_alloc(FIRST_CAP)
         if small == NULL:
             raise MemoryError()
-        out = pool.adopt(self.buf, _trimmed(self.buf, self.cap, self.touched), self.size)
+        # (cap: the mapping's length from here, whatever happens next.)
+        self.cap = <Py_ssize_t>_trimmed(self.buf, self.cap, self.touched)
+        try:
+            out = pool.adopt(self.buf, self.cap, self.size)
+        except BaseException:
+            fmq_growbuf_free(small, FIRST_CAP)
+            raise
         self.buf = small
         self.cap = self.touched = FIRST_CAP
         self.size = 0
