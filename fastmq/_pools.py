@@ -15,7 +15,8 @@ process with several queues keeps at most the cap once, not once each.
 
 The pools are private anonymous mappings: a fork child gets its own copy
 (copy-on-write), and nothing outlives the process.  Taken and given back
-under the GIL (``fastmq._recv_buffers`` never lets it go there).
+under the GIL, from any thread (``fastmq._recv_buffers`` lets it go only
+to populate a block already out of the pool's lists).
 """
 from __future__ import annotations
 
