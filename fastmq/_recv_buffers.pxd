@@ -29,6 +29,7 @@ cdef class BufferPool:
     cdef PooledBuffer adopt(self, char *p, size_t size, size_t length)
     cdef char *reclaim(self, size_t least, size_t *size) noexcept
     cdef void _drop(self, int i) noexcept
+    cdef void _keep_at_most(self, size_t nbytes, int nblocks) noexcept
     cdef void give_back(self, void *p, size_t size) noexcept
 
 

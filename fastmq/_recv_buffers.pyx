@@ -236,9 +236,7 @@ cdef class BufferPool:
         if size > self.cap:
             munmap(p, size)
             return
-        while self.n and (self.n == MAX_FREE or self.held + size > self.cap):
-            munmap(self.blocks[0], self.sizes[0])
-            self._drop(0)
+        self._keep_at_most(self.cap - size, MAX_FREE - 1)
         self.blocks[self.n] = p
         self.sizes[self.n] = size
         self.n += 1
@@ -250,7 +248,12 @@ cdef class BufferPool:
         if cap < 0:
             raise ValueError(f"BufferPool: cap must be >= 0, got {cap}")
         self.cap = cap
-        while self.n and self.held > self.cap:
+        self._keep_at_most(self.cap, MAX_FREE)
+
+    cdef void _keep_at_most(self, size_t nbytes, int nblocks) noexcept:
+        # Kept blocks go back to the kernel, the first slot's first, until
+        # at most ``nbytes`` in at most ``nblocks`` blocks are kept.
+        while self.n and (self.n > nblocks or self.held > nbytes):
             munmap(self.blocks[0], self.sizes[0])
             self._drop(0)
 
@@ -263,9 +266,7 @@ cdef class BufferPool:
         """Give every kept block back to the kernel; later returns are not
         kept either."""
         self.cap = 0
-        while self.n:
-            munmap(self.blocks[self.n - 1], self.sizes[self.n - 1])
-            self._drop(self.n - 1)
+        self._keep_at_most(0, 0)
 
     def __dealloc__(self):
         self.close()

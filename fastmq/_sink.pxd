@@ -32,9 +32,9 @@ cdef class PickleSink:
     # Where a large buffer comes from and goes back to (the process's pool,
     # fastmq._pools), or None: mappings of the sink's own.
     cdef BufferPool home
-    # The pool the last stream's buffer was handed to (frames()): the next
-    # message takes its buffer back from there (reclaim).
-    cdef BufferPool lent_to
+    # The last stream's buffer was handed to the home pool (frames()): the
+    # next message takes a block back from there first (reclaim).
+    cdef bint handed
 
     cdef int grow(self, Py_ssize_t need) except -1
     cdef void ahead(self, Py_ssize_t end) noexcept
@@ -42,8 +42,10 @@ cdef class PickleSink:
     cdef int check_unexported(self) except -1
     cdef int check_holding(self) except -1
     cdef int gather(self, char *out) except -1
-    cdef PooledBuffer hand_over(self, BufferPool pool)
+    cdef PooledBuffer hand_over(self)
     cdef int put_back(self) except -1
+    cdef void start_over(self, char *small) noexcept
+    cdef void release(self) noexcept
     cdef bint reclaim(self, BufferPool pool, Py_ssize_t least) except -1
     cdef int flatten(self) except -1
     cdef int pickle(self, object pickler, object obj) except -1

@@ -52,22 +52,19 @@ cdef extern from "fmq_growbuf.h" nogil:
     void fmq_growbuf_free(char *p, size_t cap)
     char *fmq_growbuf_resize(char *p, size_t old_cap, size_t new_cap)
     bint fmq_growbuf_mapped(size_t cap)
+    size_t fmq_growbuf_trim(char *p, size_t cap, size_t used)
     size_t FMQ_GROWBUF_MAP_MIN
 
 cdef extern from "fmq_populate.h" nogil:
     int fmq_populate(char *p, size_t n)
 
-cdef extern from "<sys/mman.h>" nogil:
-    void *mremap(void *old_address, size_t old_size, size_t new_size, int flags, ...)
-    void *MAP_FAILED
-
 cdef enum:
     # The buffer grows by doubling from here; from 256 KiB up it is a
     # mapping of its own that grows without a copy (fmq_growbuf.h).
     FIRST_CAP = 4096
-    PAGE = 4096
-    # A buffer grown past this for big streams shrinks back once a message
-    # did not need it (checked as the next one starts): a queue that once
+    # A buffer grown past this for big streams goes (to the home pool, or
+    # back to the kernel) once a message did not need it (checked as the
+    # next one starts), and a small one takes its place: a queue that once
     # sent a huge in-band message does not hold that much memory for the
     # rest of its life, and one sending big messages back to back does not
     # fault its pages in again for each.
@@ -128,17 +125,6 @@ cdef int _copy_span(object data, Py_ssize_t n, char *out) except -1:
     return 0
 
 
-cdef size_t _trimmed(char *p, Py_ssize_t cap, Py_ssize_t touched) noexcept:
-    # A mapped buffer cut down, in place, to the whole pages that cover its
-    # first ``touched`` bytes (what it has backed): its length now.
-    # Shrinking neither moves nor fails but for a kernel out of memory for
-    # the split; then all of it stays.
-    cdef size_t keep = (<size_t>touched + PAGE - 1) & ~(<size_t>PAGE - 1)
-    if 0 < keep < <size_t>cap and mremap(p, <size_t>cap, keep, 0) != MAP_FAILED:
-        return keep
-    return <size_t>cap
-
-
 cdef class PickleSink:
     """``PickleSink(to_slot=None, commit=None, abort=None, oob_min=1 MiB, pool=None)``.
 
@@ -176,11 +162,8 @@ cdef class PickleSink:
 
     def __dealloc__(self):
         # (home is None here if a GC pass cleared it first: then unmapped.)
-        if self.buf != NULL and self.home is not None and fmq_growbuf_mapped(self.cap):
-            self.home.give_back(self.buf, _trimmed(self.buf, self.cap, self.touched))
-        else:
-            fmq_growbuf_free(self.buf, self.cap)
-        self.buf = NULL
+        if self.buf != NULL:
+            self.release()
 
     def expect(self, dict copyreg_table, bint torch_pending, dict modules):
         """The encoder built a fresh pickler against ``copyreg_table`` (as it
@@ -315,26 +298,15 @@ cdef class PickleSink:
     cdef int pickle(self, object pickler, object obj) except -1:
         """Pickle ``obj`` into the buffer with ``pickler`` (whose file and
         buffer callback are this sink)."""
-        cdef char *p
         self.check_unexported()
-        cdef BufferPool lent = self.lent_to
-        if lent is not None:
+        if self.handed:
             # After a hand-over: a block the pool keeps (the handed-over
             # one, once the send let go of it) is the buffer again, so a
             # stream as large as the last is written without a fresh page.
-            self.lent_to = None
-            self.reclaim(lent, FMQ_GROWBUF_MAP_MIN)
-        elif self.cap > KEEP_CAP and self.size <= KEEP_CAP and self.home is not None:
-            # (size: the last stream's.)  Back to the process's pool, where
-            # the next large stream of any queue takes it.
+            self.handed = False
+            self.reclaim(self.home, FMQ_GROWBUF_MAP_MIN)
+        elif self.cap > KEEP_CAP and self.size <= KEEP_CAP:   # (size: the last stream's)
             self.put_back()
-        elif self.cap > KEEP_CAP and self.size <= KEEP_CAP:
-            p = fmq_growbuf_resize(self.buf, self.cap, KEEP_CAP)
-            if p != NULL:       # else keep the larger buffer: still valid
-                self.buf = p
-                self.cap = KEEP_CAP
-                if self.touched > KEEP_CAP:
-                    self.touched = KEEP_CAP
         self.size = 0
         self.span_bytes = 0
         self.let_go()
@@ -405,8 +377,9 @@ cdef class PickleSink:
         With ``pool`` (a ``fastmq._recv_buffers.BufferPool``), a stream of
         ``POOLED_MIN`` bytes or more is a ``PooledBuffer`` of that pool: the
         sink's own buffer itself, handed over, when the stream is all in it
-        (no spans; the sink takes a kept block back for the next message),
-        else a block the stream is gathered into, memory that earlier
+        and ``pool`` is the sink's home (no spans; the sink takes a kept
+        block back for the next message), else a block the stream is
+        gathered into, memory that earlier
         streams used and gave back (a fresh ``bytes`` would cost a page
         fault per 4 KiB).  Otherwise the stream is gathered into a
         ``bytes``.  Either way the stream's frame is nobody's but the
@@ -414,9 +387,9 @@ cdef class PickleSink:
         self.check_holding()
         cdef Py_ssize_t total = self.size + self.span_bytes
         cdef Py_buffer v
-        if pool is not None and total >= POOLED_MIN and not self.spans \
-                and fmq_growbuf_mapped(self.cap):
-            return [self.hand_over(pool)] + self.oob
+        if pool is not None and pool is self.home and total >= POOLED_MIN \
+                and not self.spans and fmq_growbuf_mapped(self.cap):
+            return [self.hand_over()] + self.oob
         if pool is not None and total >= POOLED_MIN:
             out = pool.take(total)
             PyObject_GetBuffer(out, &v, PyBUF_WRITABLE)
@@ -466,42 +439,56 @@ cdef class PickleSink:
     # -- where a large buffer comes from and goes -------------------------
     # A pool's blocks are private anonymous mappings of whole pages, backed
     # throughout; a mapped buffer goes to a pool cut down to the pages it
-    # has backed (_trimmed), and one taken from a pool is backed to its end.
+    # has backed (fmq_growbuf_trim), and one taken from a pool is backed to
+    # its end.
 
-    cdef PooledBuffer hand_over(self, BufferPool pool):
-        # The stream's mapping becomes a frame of ``pool`` (the caller's
-        # alone: no view of the sink is exported, so nothing the sink does
-        # next can change it), and the sink starts again from a small
-        # buffer.  Sending the stream from where the pickler wrote it saves
-        # a copy of it, and on a first message the fresh pages of a second
-        # buffer as large.
+    cdef PooledBuffer hand_over(self):
+        # The stream's mapping becomes a frame of the home pool (the
+        # caller's alone: no view of the sink is exported, so nothing the
+        # sink does next can change it), and the sink starts again from a
+        # small buffer.  Sending the stream from where the pickler wrote it
+        # saves a copy of it, and on a first message the fresh pages of a
+        # second buffer as large.
         self.check_unexported()
         cdef char *small = fmq_growbuf_alloc(FIRST_CAP)
         if small == NULL:
             raise MemoryError()
         # (cap: the mapping's length from here, whatever happens next.)
-        self.cap = <Py_ssize_t>_trimmed(self.buf, self.cap, self.touched)
+        self.cap = <Py_ssize_t>fmq_growbuf_trim(self.buf, self.cap, self.touched)
         try:
-            out = pool.adopt(self.buf, self.cap, self.size)
+            out = self.home.adopt(self.buf, self.cap, self.size)
         except BaseException:
             fmq_growbuf_free(small, FIRST_CAP)
             raise
-        self.buf = small
-        self.cap = self.touched = FIRST_CAP
+        self.start_over(small)
         self.size = 0
         self.holding = False    # (its out-of-band buffers go with let_go)
-        self.lent_to = pool
+        self.handed = True
         return out
 
     cdef int put_back(self) except -1:
-        # The mapped buffer to the home pool; a small one in its place.
+        # A small buffer in place of the large one, which goes (release).
         cdef char *small = fmq_growbuf_alloc(FIRST_CAP)
         if small == NULL:
             return 0    # keep the large one: still valid
-        self.home.give_back(self.buf, _trimmed(self.buf, self.cap, self.touched))
+        self.release()
+        self.start_over(small)
+        return 0
+
+    cdef void start_over(self, char *small) noexcept:
+        # ``small`` (FIRST_CAP bytes from fmq_growbuf_alloc) is the buffer now.
         self.buf = small
         self.cap = self.touched = FIRST_CAP
-        return 0
+
+    cdef void release(self) noexcept:
+        # The buffer goes: a mapped one to the home pool, cut down to the
+        # pages it has backed; else (or with no home) back to the kernel or
+        # the allocator.  The caller puts another in its place.
+        if self.home is not None and fmq_growbuf_mapped(self.cap):
+            self.home.give_back(self.buf, fmq_growbuf_trim(self.buf, self.cap, self.touched))
+        else:
+            fmq_growbuf_free(self.buf, self.cap)
+        self.buf = NULL
 
     cdef bint reclaim(self, BufferPool pool, Py_ssize_t least) except -1:
         # The largest block of ``least`` bytes or more that ``pool`` keeps
@@ -516,10 +503,7 @@ cdef class PickleSink:
             return False
         if self.size:
             memcpy(p, self.buf, self.size)
-        if self.home is not None and fmq_growbuf_mapped(self.cap):
-            self.home.give_back(self.buf, _trimmed(self.buf, self.cap, self.touched))
-        else:
-            fmq_growbuf_free(self.buf, self.cap)
+        self.release()
         self.buf = p
         self.cap = self.touched = <Py_ssize_t>n
         return True

@@ -36,7 +36,7 @@ def test_a_buffer_has_exactly_the_length_asked_and_is_writable():
     assert mv[-1] == 7
 
 
-def test_fresh_memory_is_populated_whole_by_several_threads():
+def test_fresh_memory_split_over_threads_is_populated_whole():
     # A large fresh block is populated before the frame is received into
     # it, split over threads (the kernel's work per fresh page is most of
     # a first large frame's cost, and a core is free while the reader

@@ -69,4 +69,16 @@ static inline char *fmq_growbuf_resize(char *p, size_t old_cap, size_t new_cap) 
     return q;
 }
 
+/* A mapping cut down in place to the whole pages that cover its first
+ * `used` bytes: its length now (cap where it is no longer than that, or
+ * where the kernel refused the split).  Shrinking never moves a mapping.
+ * What a buffer hands to a pool, whose blocks are backed throughout, is
+ * cut to the pages it has backed. */
+static inline size_t fmq_growbuf_trim(char *p, size_t cap, size_t used) {
+    size_t keep = (used + 4095) & ~(size_t)4095;
+    if (keep > 0 && keep < cap && mremap(p, cap, keep, 0) != MAP_FAILED)
+        return keep;
+    return cap;
+}
+
 #endif /* FMQ_GROWBUF_H */
