@@ -46,7 +46,7 @@ cdef class PickleSink:
     cdef int put_back(self) except -1
     cdef void start_over(self, char *small) noexcept
     cdef void release(self) noexcept
-    cdef bint reclaim(self, BufferPool pool, Py_ssize_t least) except -1
+    cdef bint reclaim(self, Py_ssize_t least) except -1
     cdef int flatten(self) except -1
     cdef int pickle(self, object pickler, object obj) except -1
     cdef int committed(self) except -1

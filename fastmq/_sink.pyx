@@ -254,7 +254,7 @@ cdef class PickleSink:
             cap *= 2
         # Large: memory the process kept (an earlier stream's, of this
         # queue or another) before fresh pages.
-        if self.home is not None and fmq_growbuf_mapped(cap) and self.reclaim(self.home, cap):
+        if fmq_growbuf_mapped(cap) and self.reclaim(cap):
             return 0
         cdef Py_ssize_t old = self.cap
         cdef char *p = fmq_growbuf_resize(self.buf, self.cap, cap)
@@ -304,7 +304,7 @@ cdef class PickleSink:
             # one, once the send let go of it) is the buffer again, so a
             # stream as large as the last is written without a fresh page.
             self.handed = False
-            self.reclaim(self.home, FMQ_GROWBUF_MAP_MIN)
+            self.reclaim(FMQ_GROWBUF_MAP_MIN)
         elif self.cap > KEEP_CAP and self.size <= KEEP_CAP:   # (size: the last stream's)
             self.put_back()
         self.size = 0
@@ -490,15 +490,17 @@ cdef class PickleSink:
             fmq_growbuf_free(self.buf, self.cap)
         self.buf = NULL
 
-    cdef bint reclaim(self, BufferPool pool, Py_ssize_t least) except -1:
-        # The largest block of ``least`` bytes or more that ``pool`` keeps
-        # becomes the buffer, the stream written so far copied into it (a
-        # mapped buffer it replaces goes to the home pool); False, nothing
-        # changed, when the pool keeps none.
+    cdef bint reclaim(self, Py_ssize_t least) except -1:
+        # The largest block of ``least`` bytes or more that the home pool
+        # keeps becomes the buffer, the stream written so far copied into
+        # it (a mapped buffer it replaces goes back there); False, nothing
+        # changed, with no home or when it keeps none.
         cdef size_t n = 0
-        if least < FMQ_GROWBUF_MAP_MIN:
+        if self.home is None:
+            return False
+        if least < <Py_ssize_t>FMQ_GROWBUF_MAP_MIN:
             least = FMQ_GROWBUF_MAP_MIN     # (the buffer's kind follows from its size)
-        cdef char *p = pool.reclaim(<size_t>least, &n)
+        cdef char *p = self.home.reclaim(<size_t>least, &n)
         if p == NULL:
             return False
         if self.size:
