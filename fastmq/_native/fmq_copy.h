@@ -55,7 +55,7 @@ static inline int fmq_parallel_copy(char *dst, const char *src, size_t n, size_t
     if (min_part < FMQ_PAGE_BYTES) min_part = FMQ_PAGE_BYTES;
     if ((size_t)t > n / min_part) t = (int)(n / min_part);
     if (t < 1) t = 1;
-    part = ((n / (size_t)t) + FMQ_PAGE_BYTES - 1) & ~(size_t)(FMQ_PAGE_BYTES - 1);
+    part = fmq_page_round(n / (size_t)t);
     for (i = 0; i < t && off < n; i++) {
         len = (i == t - 1 || part > n - off) ? n - off : part;
         parts[i].dst = dst + off;

@@ -25,7 +25,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "fmq_populate.h"   /* FMQ_PAGE_BYTES */
+#include "fmq_populate.h"   /* fmq_page_round */
 
 #define FMQ_GROWBUF_MAP_MIN ((size_t)256 << 10)
 
@@ -77,7 +77,7 @@ static inline char *fmq_growbuf_resize(char *p, size_t old_cap, size_t new_cap) 
  * What a buffer hands to a pool, whose blocks are backed throughout, is
  * cut to the pages it has backed. */
 static inline size_t fmq_growbuf_trim(char *p, size_t cap, size_t used) {
-    size_t keep = (used + FMQ_PAGE_BYTES - 1) & ~(size_t)(FMQ_PAGE_BYTES - 1);
+    size_t keep = fmq_page_round(used);
     if (keep > 0 && keep < cap && mremap(p, cap, keep, 0) != MAP_FAILED)
         return keep;
     return cap;

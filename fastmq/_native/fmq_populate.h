@@ -28,6 +28,11 @@
 #endif
 #define FMQ_PAGE_BYTES 4096
 
+/* n rounded up to whole pages. */
+static inline size_t fmq_page_round(size_t n) {
+    return (n + FMQ_PAGE_BYTES - 1) & ~(size_t)(FMQ_PAGE_BYTES - 1);
+}
+
 /* 1 until the kernel answers EINVAL (older than 5.14). */
 static int fmq_populate_ok = 1;
 
