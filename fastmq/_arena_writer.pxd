@@ -15,6 +15,8 @@ cdef class ArenaWriterEnd(ArenaEnd):
     cdef object prefault_jobs
     cdef object prefault_lock
     cdef bint prefault_running
+    cdef object prefault_thread            # the background pre-fault, while it runs
+    cdef bint warm_unused                  # warm_first's pages wait for the first buffer
     cdef int cancel_prefault
     cdef int prefault_error
     cdef bint logged_oversize
@@ -33,4 +35,6 @@ cdef class ArenaWriterEnd(ArenaEnd):
     cdef bint memory_short(self, int slot, Py_ssize_t n) except -1
     cdef int reserve_pages(self, int slot, Py_ssize_t start, Py_ssize_t n) except -2
     cdef object prefault_next(self, int slot, Py_ssize_t nbytes)
+    cdef object after_use(self, int slot, Py_ssize_t nbytes, bint cold)
     cdef object stop_prefault(self)
+    cdef object join_prefault(self)

@@ -69,6 +69,9 @@ cdef extern from "fmq_copy.h" nogil:
 
 cdef uint64_t C_MAGIC = MAGIC
 cdef uint64_t C_DESC_MAGIC = DESC_MAGIC
+# How long close() waits for a cancelled background pre-fault (seconds):
+# far more than its 2 MiB step takes; a bound, not an expected wait.
+JOIN_PREFAULT_S = 5.0
 
 
 def set_populate(bint enabled):
@@ -355,8 +358,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
             return None
         fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
         epoch = self.publish(slot)
-        if cold_from < <size_t>nbytes:
-            self.prefault_next(slot, nbytes)
+        self.after_use(slot, nbytes, cold_from < <size_t>nbytes)
         self.n_hits += 1
         self.n_hit_bytes += nbytes
         return self.descriptor(slot, 0, nbytes, epoch)
@@ -440,6 +442,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
         cdef uint64_t warm = fmq_local_load_u64_acq(&self.faulted[slot])
         cdef int err
         if warm >= <uint64_t>nbytes:
+            self.after_use(slot, nbytes, False)
             return 0
         if self.memory_short(slot, nbytes - warm):
             return -1
@@ -451,7 +454,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
             self.n_nomem += 1
             return -1
         fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
-        self.prefault_next(slot, nbytes)
+        self.after_use(slot, nbytes, True)
         return 0
 
     cdef bint memory_short(self, int slot, Py_ssize_t n) except -1:
@@ -517,6 +520,23 @@ cdef class ArenaWriterEnd(ArenaEnd):
             return None
         return None
 
+    cdef object after_use(self, int slot, Py_ssize_t nbytes, bint cold):
+        # ``nbytes`` of ``slot`` are being used.  After a copy into cold
+        # pages, and after the first buffer (it found the pages warm_first
+        # populated, which its copy would otherwise have), the slot the next
+        # buffer takes gets its pages ahead.
+        if cold or self.warm_unused:
+            self.warm_unused = False
+            self.prefault_next(slot, nbytes)
+
+    def warm_first(self, upto):
+        """Populate the first ``upto`` bytes of the slot the first buffer
+        takes (slot 0: the warmest free one) in the background, so that the
+        first large buffer does not wait for fresh pages."""
+        if upto > 0 and self.prefault_ahead and not self.closed:
+            self.warm_unused = True
+            self.prefault((0,), upto)
+
     def prefault(self, slots, upto=None):
         """Populate the first ``upto`` bytes (default: all) of each of
         ``slots`` in a background thread, off the hot path.  What is
@@ -539,8 +559,9 @@ cdef class ArenaWriterEnd(ArenaEnd):
                 self.prefault_target[s] = want
             if self.prefault_jobs and not self.prefault_running:
                 self.prefault_running = True
-                threading.Thread(target=self._prefault_loop, name="fastmq-arena-prefault",
-                                 daemon=True).start()
+                self.prefault_thread = threading.Thread(
+                    target=self._prefault_loop, name="fastmq-arena-prefault", daemon=True)
+                self.prefault_thread.start()
 
     def _prefault_loop(self):
         cdef int s = 0, err
@@ -606,6 +627,23 @@ cdef class ArenaWriterEnd(ArenaEnd):
         itself goes when the last reference (views included) does."""
         ArenaEnd.close(self)
         fmq_local_store_int(&self.cancel_prefault, 1)
+        self.join_prefault()
+
+    cdef object join_prefault(self):
+        # The background thread holds this end, and with it the mapping,
+        # while it runs: a queue closed (or collected) right after it was
+        # created, while its first slot is still being warmed, would hold
+        # the memory a while longer.  Cancelled, the thread stops within a
+        # 2 MiB step once it runs; out of SCHED_IDLE, so that a busy host
+        # does not keep it from running.
+        cdef object t = self.prefault_thread
+        if t is None or t is threading.current_thread() or not t.is_alive():
+            return
+        try:
+            os.sched_setscheduler(t.native_id, os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError, TypeError):
+            pass
+        t.join(JOIN_PREFAULT_S)
 
     def stats(self):
         out = {

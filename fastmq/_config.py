@@ -107,6 +107,21 @@ def default_copy_threads() -> int:
     return max(min(cpus, 2), min(4, cpus // 2))
 
 
+# Memory made ready when a queue starts, so that its first large message
+# does not wait for the kernel to allocate and zero fresh pages (where
+# readers share a core, a large share of that message's time): the arena's
+# first slot (the writer's, in the background) and each remote reader's
+# first receive buffer (while it connects).  Twice the arena's default
+# smallest buffer; what the traffic needs beyond it is populated as it
+# comes.
+DEFAULT_WARM_MB = 16
+
+
+def warm_bytes() -> int:
+    """``FASTMQ_WARM_MB`` (MiB; 0: none), in bytes."""
+    return env_int("FASTMQ_WARM_MB", DEFAULT_WARM_MB) << 20
+
+
 def remote_buffers_bytes() -> int:
     """``FASTMQ_REMOTE_BUFFERS_MB`` (MiB; 0 keeps none), in bytes."""
     return env_int("FASTMQ_REMOTE_BUFFERS_MB", DEFAULT_REMOTE_BUFFERS_MB) << 20

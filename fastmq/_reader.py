@@ -437,6 +437,7 @@ class RemoteReader:
             handle.remote_subscribe_addr, handle.remote_addr_ipv6, security, psk, rank,
             keep_bytes=_config.remote_buffers_bytes(),
             fill_threads=_config.default_copy_threads())
+        self._warm_bytes = _config.warm_bytes()
         spin_us = getattr(handle, "spin_us", None)
         self.stream.spin_s = (_config.spin_us(None) if spin_us is None else spin_us) / 1e6
         self.stream.start_hello()
@@ -451,6 +452,9 @@ class RemoteReader:
                 f"{self.handle.remote_subscribe_addr} is vLLM's own MessageQueue (it speaks "
                 "ZMQ): fastmq is not active in the writer's process. Activate fastmq in "
                 "every process of the deployment or in none.") from None
+        # Here, not in the first dequeue: populating fresh pages was most of
+        # a first large message's time where readers share a core.
+        self.stream.buffers.warm(self._warm_bytes)
 
     def shutdown(self) -> None:
         self.shutting_down = True

@@ -242,6 +242,25 @@ cdef class BufferPool:
         self.n += 1
         self.held += size
 
+    def warm(self, Py_ssize_t nbytes):
+        """Have a populated block of ``nbytes`` (whole pages) kept for the
+        next ``take``, unless one as large is kept already or the cap is
+        smaller: the first frame of about that size then finds its pages
+        in place."""
+        if nbytes < 0:
+            raise ValueError(f"BufferPool.warm: nbytes must be >= 0, got {nbytes}")
+        cdef size_t need = _pages(<size_t>nbytes)
+        cdef int i
+        if need == 0 or need > self.cap:
+            return
+        for i in range(self.n):
+            if self.sizes[i] >= need:
+                return
+        try:
+            self.take(nbytes)   # dropped at once: given back, and kept
+        except MemoryError:
+            pass                # best effort: the first frame maps its own
+
     def set_cap(self, Py_ssize_t cap):
         """Keep up to ``cap`` bytes from now on (what is kept beyond it goes
         back to the kernel at once, oldest first)."""

@@ -23,11 +23,12 @@ keyword                 environment                    default      meaning
 ``arena_readers``       ``FASTMQ_ARENA_READERS``       isolated     isolated / shared
 ======================  =============================  ===========  ========================
 
-``ahead``: after a copy into cold pages, the slot the next buffer would take
-gets twice as many pages populated in the background (a larger buffer than
-any before then takes that slot), by a thread that runs only on an
-otherwise idle core (``SCHED_IDLE``; never whole slots); ``all``
-or ``N``: whole slots at creation.  Inside vLLM on a CUDA platform the
+``ahead``: the first slot's first ``FASTMQ_WARM_MB`` (16) at creation, and
+after a copy into cold pages (or the first buffer), the slot the next buffer
+would take gets twice as many pages populated in the background (a larger
+buffer than any before then takes that slot), by a thread that runs only on
+an otherwise idle core (``SCHED_IDLE``; never whole slots); ``all`` or
+``N``: whole slots at creation.  Inside vLLM on a CUDA platform the
 scheduler broadcast's readers default to ``shared`` (``fastmq.vllm``).
 
 Readers adopt the writer's geometry from ``Handle.tensor_arena_handle`` and
@@ -296,6 +297,7 @@ class ArenaWriter(ShmTensorArena):
                              "slot count")
         if readers not in READER_MODES:
             raise ValueError(f"readers={readers!r} must be one of {READER_MODES}")
+        warm = _config.warm_bytes() if prefault == "ahead" else 0
         total = layout(n_reader, n_slots, slot_bytes)[3]
         # Its pages are allocated as slots are first used (pre-faulted), so
         # creating it takes no memory.
@@ -315,6 +317,8 @@ class ArenaWriter(ShmTensorArena):
             core.prefault(range(n_slots))
         elif isinstance(prefault, int) and prefault > 0:
             core.prefault(range(min(prefault, n_slots)))
+        elif warm:
+            core.warm_first(warm)
         return self
 
     # The pickler calls these per object and per buffer: they hand out the

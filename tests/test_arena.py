@@ -84,11 +84,14 @@ def test_tensor_round_trip_is_byte_exact_and_zero_copy(dtype):
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_threaded_copy_is_byte_exact(threads):
-    # 13 MiB + 5 bytes: three parts of >= 4 MiB, the last one ragged; the
-    # slot is cold, so each part also populates its own pages first.
+    # The threads take 256 KiB steps in turn, each populating its cold
+    # pages first.  5 MiB + 7 bytes into a cold slot, then 13 MiB + 5 (warm
+    # up to a page boundary inside a step, the last step ragged), then the
+    # same into warm pages.
     w, (r,) = _pair(slots=2, slot_mb=16, arena_copy_threads=threads, arena_prefault="off")
-    src = np.random.default_rng(5).integers(0, 256, 13 * MiB + 5, dtype=np.uint8)
-    for _ in range(2):                                   # cold, then warm pages
+    rng = np.random.default_rng(5)
+    for n in (5 * MiB + 7, 13 * MiB + 5, 13 * MiB + 5):
+        src = rng.integers(0, 256, n, dtype=np.uint8)
         w.enqueue(src)
         got = r.dequeue(timeout=10)
         assert np.array_equal(got, src) and r.tensor_arena.contains(got.ctypes.data)
@@ -862,15 +865,17 @@ def test_on_by_default_for_local_queues_only(monkeypatch):
     assert MessageQueue(1, 1).tensor_arena is not None
 
 
-def test_idle_arena_costs_no_memory_and_prefault_modes():
+def test_idle_arena_costs_no_memory_and_prefault_modes(monkeypatch):
+    monkeypatch.setenv("FASTMQ_WARM_MB", "0")           # nothing made ready at creation
     off = MessageQueue(1, 1, arena_slots=4, arena_slot_mb=4, arena_min_mb=1,
                        arena_prefault="off")
     assert _blocks(off) <= 64 * 1024                    # header and flag lines only
     w, (r,) = _pair(slots=4, slot_mb=4)                  # default: "ahead"
+    core = _core(w)
+    _wait_prefault(core)
     assert _blocks(w) <= 64 * 1024
     w.enqueue(torch.ones(MiB // 2))                      # 2 MiB: first use of slot 0, cold
     r.dequeue(timeout=10)
-    core = _core(w)
     _wait_prefault(core)
     # The copy's own pages, and twice as many in the slot the next buffer
     # takes (capped by the slot): not the rest of either slot.
@@ -886,6 +891,33 @@ def test_idle_arena_costs_no_memory_and_prefault_modes():
         assert _core(q).stats()["arena_prefaulted_bytes"] == sum(want)
 
 
+def test_a_new_arena_warms_the_first_slot_only(monkeypatch):
+    # FASTMQ_WARM_MB of the first slot are populated in the background at
+    # creation, capped by the slot, and nothing else; "off" warms nothing.
+    monkeypatch.setenv("FASTMQ_WARM_MB", "3")
+    w, (r,) = _pair(slots=4, slot_mb=4)
+    core = _core(w)
+    _wait_prefault(core)
+    assert [core.faulted_bytes(s) for s in range(4)] == [3 * MiB, 0, 0, 0]
+    assert 3 * MiB <= _blocks(w) < 3 * MiB + 64 * 1024
+    # The first buffer takes those pages, and the next slot gets twice its
+    # size ahead, as after a copy into cold pages: warming the first slot
+    # moves no cost to the second buffer.
+    t = torch.arange(MiB // 2, dtype=torch.float32)      # 2 MiB
+    w.enqueue(t)
+    assert torch.equal(r.dequeue(timeout=10), t)
+    _wait_prefault(core)
+    assert [core.faulted_bytes(s) for s in range(4)] == [3 * MiB, 4 * MiB, 0, 0]
+    assert core.stats()["arena_prefaulted_bytes"] == 7 * MiB
+    monkeypatch.setenv("FASTMQ_WARM_MB", "64")           # capped by the slot
+    big = MessageQueue(1, 1, arena_slots=2, arena_slot_mb=4)
+    _wait_prefault(_core(big))
+    assert [_core(big).faulted_bytes(s) for s in range(2)] == [4 * MiB, 0]
+    off = MessageQueue(1, 1, arena_slots=2, arena_slot_mb=4, arena_prefault="off")
+    _wait_prefault(_core(off))
+    assert [_core(off).faulted_bytes(s) for s in range(2)] == [0, 0]
+
+
 def test_a_default_queue_commits_what_its_tensors_use(monkeypatch):
     # The default geometry (8 x 256 MiB) and pre-fault mode.  Eleven 16 MiB
     # tensors, each sent while the reader still holds the one before: two
@@ -895,10 +927,13 @@ def test_a_default_queue_commits_what_its_tensors_use(monkeypatch):
     for var in ("FASTMQ_ARENA", "FASTMQ_ARENA_SLOTS", "FASTMQ_ARENA_SLOT_MB",
                 "FASTMQ_ARENA_MIN_MB", "FASTMQ_ARENA_PREFAULT"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("FASTMQ_WARM_MB", raising=False)
     w, (r,) = local_pair(1)
     core = _core(w)
     assert (core.n_slots, core.slot_bytes) == (8, 256 * MiB)
     size = 16 * MiB
+    _wait_prefault(core)
+    assert [core.faulted_bytes(s) for s in range(2)] == [size, 0]   # made ready at creation
     held = None
     for i in range(11):
         t = torch.full((size // 8,), i, dtype=torch.int64)
@@ -912,7 +947,7 @@ def test_a_default_queue_commits_what_its_tensors_use(monkeypatch):
     del held, got
     assert w.stats()["arena_hits"] == 11
     assert [core.faulted_bytes(s) for s in range(8)] == [size, 2 * size] + [0] * 6
-    assert core.stats()["arena_prefaulted_bytes"] == 2 * size
+    assert core.stats()["arena_prefaulted_bytes"] == 3 * size   # the first slot's too
     assert 3 * size <= _blocks(w) <= 3 * size + 4 * MiB
     # The same figure through the mapping, as fastmq.shm_usage reports it.
     held_now = shm_usage.held_bytes(w)
@@ -921,11 +956,12 @@ def test_a_default_queue_commits_what_its_tensors_use(monkeypatch):
     assert shm_usage.held_bytes(r)["arena"] == held_now["arena"]
 
 
-def test_a_larger_buffer_goes_where_the_prefault_ahead_made_room():
+def test_a_larger_buffer_goes_where_the_prefault_ahead_made_room(monkeypatch):
     # A 2 MiB buffer into a cold slot has the next free slot populated to
     # twice its size; a 4 MiB buffer after it (larger than any before) takes
     # that slot and touches no cold page, rather than the lowest free slot
     # (2 MiB warm), which would fault 2 MiB more in the copy.
+    monkeypatch.setenv("FASTMQ_WARM_MB", "0")
     w, (r,) = _pair(slots=4, slot_mb=16)
     core = _core(w)
     for n_float in (MiB // 2, MiB):
@@ -971,6 +1007,7 @@ def test_sizing_from_env_and_kwargs(monkeypatch):
     ("FASTMQ_ARENA_SLOT_MB", "-1"), ("FASTMQ_ARENA_SLOT_MB", "0"), ("FASTMQ_ARENA_SLOT_MB", "inf"),
     ("FASTMQ_ARENA_MIN_MB", "x"), ("FASTMQ_ARENA_PREFAULT", "sometimes"),
     ("FASTMQ_ARENA_COPY_THREADS", "0"), ("FASTMQ_ARENA_READERS", "private"),
+    ("FASTMQ_WARM_MB", "-1"), ("FASTMQ_WARM_MB", "lots"),
 ])
 def test_bad_environment_names_the_variable(monkeypatch, var, value):
     monkeypatch.setenv(var, value)

@@ -181,6 +181,40 @@ def test_a_remote_reader_grows_a_dropped_frame_for_a_larger_message():
         w.shutdown()
 
 
+def test_a_remote_reader_has_memory_ready_for_its_first_large_frame(monkeypatch):
+    # FASTMQ_WARM_MB of receive memory is populated while the reader
+    # connects (wait_until_ready), not when the first large frame comes:
+    # that frame is received into it.
+    monkeypatch.setenv("FASTMQ_WARM_MB", "8")
+    w, r = _remote_pair()
+    try:
+        pool = r.remote_socket.buffers
+        assert (pool.held_bytes, pool.reused) == (8 * MiB, 0)
+        t = torch.full((8 * MiB // 8,), 3, dtype=torch.int64)
+        out = []
+        # Read while the writer sends: more than the sockets hold at once.
+        th = threading.Thread(target=lambda: out.append(r.dequeue(timeout=30)))
+        th.start()
+        w.enqueue(t, timeout=30)
+        th.join(30)
+        got = out[0]
+        assert torch.equal(got, t)
+        assert (pool.reused, pool.held_bytes) == (1, 0)
+        assert resident_bytes(got.data_ptr(), 8 * MiB) == 8 * MiB
+    finally:
+        r.shutdown()
+        w.shutdown()
+    for value, held in (("0", 0), ("1024", 0)):      # none; more than the pool keeps
+        monkeypatch.setenv("FASTMQ_WARM_MB", value)
+        monkeypatch.setenv("FASTMQ_REMOTE_BUFFERS_MB", "64")
+        w, r = _remote_pair()
+        try:
+            assert r.remote_socket.buffers.held_bytes == held
+        finally:
+            r.shutdown()
+            w.shutdown()
+
+
 def test_keeping_no_buffers_is_a_setting(monkeypatch):
     monkeypatch.setenv("FASTMQ_REMOTE_BUFFERS_MB", "0")
     w, r = _remote_pair()
@@ -205,6 +239,11 @@ def test_a_bad_setting_is_named(monkeypatch):
     try:
         with pytest.raises(ValueError, match="FASTMQ_REMOTE_BUFFERS_MB"):
             MessageQueue.create_from_handle(w.export_handle(), 0)
+        monkeypatch.delenv("FASTMQ_REMOTE_BUFFERS_MB")
+        monkeypatch.setenv("FASTMQ_WARM_MB", "-3")
+        with pytest.raises(ValueError, match="FASTMQ_WARM_MB"):
+            MessageQueue.create_from_handle(w.export_handle(), 0)
+        monkeypatch.setenv("FASTMQ_REMOTE_BUFFERS_MB", "lots")
         # A writer keeps such memory too (large streams it sends).
         with pytest.raises(ValueError, match="FASTMQ_REMOTE_BUFFERS_MB"):
             MessageQueue(1, 0, connect_ip="127.0.0.1")

@@ -2,9 +2,9 @@
  * populating a large fresh buffer the same way.
  *
  * Where one thread does not saturate memory bandwidth, copying parts of a
- * large buffer in parallel shortens the writer's enqueue().  Each part first
- * populates its cold pages (fmq_populate.h), so a full /dev/shm becomes an
- * error return before any byte is stored, never a SIGBUS.  Fresh pages are
+ * large buffer in parallel shortens the writer's enqueue().  Each step
+ * populates its cold pages (fmq_populate.h) before it writes them, so a
+ * full /dev/shm becomes an error return, never a SIGBUS.  Fresh pages are
  * bound by the kernel's work per page (allocate, zero, map), which two
  * threads do at nearly twice the rate: a remote reader's first large frame
  * is received into memory populated so (fmq_parallel_populate).
@@ -20,65 +20,82 @@
 
 #define FMQ_COPY_MAX_THREADS 16
 
+/* One copy's shared state.  The threads claim it a step at a time, so
+ * a thread that shares its core with another runnable thread (a spinning
+ * OpenMP worker of the caller's torch, another process) does fewer steps
+ * instead of holding the others at the join: with fixed halves the copy
+ * took as long as its slowest thread's half.  A step populates its cold
+ * pages and then copies them while the lines the kernel just zeroed are
+ * still in this core's cache. */
 typedef struct {
-    char *dst; const char *src; size_t n; size_t cold; int err;
-} fmq_copy_part_t;
+    char *dst; const char *src; size_t n; size_t cold_from;
+    size_t next;   /* the next unclaimed offset (atomic) */
+    int err;       /* the first failed populate's errno (atomic) */
+} fmq_copy_job_t;
 
-static inline void fmq_copy_part_run(fmq_copy_part_t *p) {
-    if (p->cold < p->n) {
-        p->err = fmq_populate(p->dst + p->cold, p->n - p->cold);
-        if (p->err) return;
+#define FMQ_COPY_STEP_BYTES ((size_t)256 * 1024)
+
+/* Claim and run steps until none is left or one failed.  A page is
+ * written only once populated, so a full /dev/shm is an error return,
+ * never a SIGBUS; the caller publishes nothing then. */
+static inline void fmq_copy_job_run(fmq_copy_job_t *j) {
+    size_t off, len, cold;
+    int e, none;
+    for (;;) {
+        off = __atomic_fetch_add(&j->next, FMQ_COPY_STEP_BYTES, __ATOMIC_RELAXED);
+        if (off >= j->n || __atomic_load_n(&j->err, __ATOMIC_RELAXED)) return;
+        len = j->n - off < FMQ_COPY_STEP_BYTES ? j->n - off : FMQ_COPY_STEP_BYTES;
+        if (off + len > j->cold_from) {
+            cold = off > j->cold_from ? off : j->cold_from;
+            e = fmq_populate(j->dst + cold, off + len - cold);
+            if (e) {
+                none = 0;
+                __atomic_compare_exchange_n(&j->err, &none, e, 0,
+                                            __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+                return;
+            }
+        }
+        if (j->src != NULL)
+            memcpy(j->dst + off, j->src + off, len);
     }
-    if (p->src != NULL)
-        memcpy(p->dst, p->src, p->n);
 }
 
-static void *fmq_copy_part_thread(void *arg) {
-    fmq_copy_part_run((fmq_copy_part_t *)arg);
+static void *fmq_copy_job_thread(void *arg) {
+    fmq_copy_job_run((fmq_copy_job_t *)arg);
     return NULL;
 }
 
-/* Copy n bytes, first populating the part from cold_from on, with up to
- * `threads` threads (the caller is one).  Parts are page multiples, so
- * no two threads fault or write the same page.  A thread that cannot be
- * created is replaced by the caller doing its part.  Returns 0 or the
- * errno of a failed populate (nothing is published then); *used is the
- * number of threads that copied. */
+/* Copy n bytes, first populating each step's pages from cold_from on,
+ * with up to `threads` threads (the caller is one; no more than n /
+ * min_part).  A thread that cannot be created leaves its steps to the
+ * others.  pthread_join orders every thread's stores before the caller's
+ * return.  Returns 0 or the errno of a failed populate (nothing is
+ * published then); *used is the number of threads that copied. */
 static inline int fmq_parallel_copy(char *dst, const char *src, size_t n, size_t cold_from,
                                     int threads, size_t min_part, int *used) {
-    fmq_copy_part_t parts[FMQ_COPY_MAX_THREADS];
+    fmq_copy_job_t job;
     pthread_t tids[FMQ_COPY_MAX_THREADS];
     int started[FMQ_COPY_MAX_THREADS];
-    int t = threads, k = 0, i, err;
-    size_t part, off = 0, len;
+    int t = threads, i;
     if (t > FMQ_COPY_MAX_THREADS) t = FMQ_COPY_MAX_THREADS;
     if (min_part < FMQ_PAGE_BYTES) min_part = FMQ_PAGE_BYTES;
     if ((size_t)t > n / min_part) t = (int)(n / min_part);
     if (t < 1) t = 1;
-    part = fmq_page_round(n / (size_t)t);
-    for (i = 0; i < t && off < n; i++) {
-        len = (i == t - 1 || part > n - off) ? n - off : part;
-        parts[i].dst = dst + off;
-        parts[i].src = src != NULL ? src + off : NULL;   /* NULL: populate only */
-        parts[i].n = len;
-        parts[i].cold = cold_from <= off ? 0 : (cold_from - off < len ? cold_from - off : len);
-        parts[i].err = 0;
-        off += len;
-        k = i + 1;
-    }
+    job.dst = dst;
+    job.src = src;   /* NULL: populate only */
+    job.n = n;
+    job.cold_from = cold_from;
+    job.next = 0;
+    job.err = 0;
     *used = 1;
-    for (i = 1; i < k; i++) {
-        started[i] = pthread_create(&tids[i], NULL, fmq_copy_part_thread, &parts[i]) == 0;
+    for (i = 1; i < t; i++) {
+        started[i] = pthread_create(&tids[i], NULL, fmq_copy_job_thread, &job) == 0;
         if (started[i]) (*used)++;
     }
-    if (k > 0) fmq_copy_part_run(&parts[0]);
-    err = k > 0 ? parts[0].err : 0;
-    for (i = 1; i < k; i++) {
+    fmq_copy_job_run(&job);
+    for (i = 1; i < t; i++)
         if (started[i]) pthread_join(tids[i], NULL);
-        else fmq_copy_part_run(&parts[i]);
-        if (!err) err = parts[i].err;
-    }
-    return err;
+    return job.err;
 }
 
 /* Populate n bytes at p (whole pages, as fmq_populate) with up to

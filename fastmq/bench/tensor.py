@@ -95,7 +95,10 @@ SPEC = Scenario(
             "paths as above; sizes in rising order on one queue, so each size's first "
             "message is larger than any before it; per run, the median over fresh queues "
             "(the measured queue, after the smaller sizes' messages, and others that send "
-            "one message of each size).", "vLLM / fastmq ms = ratio", _PATHS, "first_ms"),
+            "one message of each size). The clock starts once every reader is ready: fastmq "
+            "made FASTMQ_WARM_MB (16 MiB by default) of pages ready as the queue started (the "
+            "arena's first slot, each remote reader's first receive buffer), vLLM none.",
+            "vLLM / fastmq ms = ratio", _PATHS, "first_ms"),
            ("what the remote path's security costs on large tensors: p50 ms, +plain "
             "(unauthenticated TCP) / secured, same shape", "TCP over {link}; default "
             "security: a keyed MAC (GMAC) on every message, computed by the writer and "
