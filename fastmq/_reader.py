@@ -452,8 +452,9 @@ class RemoteReader:
                 f"{self.handle.remote_subscribe_addr} is vLLM's own MessageQueue (it speaks "
                 "ZMQ): fastmq is not active in the writer's process. Activate fastmq in "
                 "every process of the deployment or in none.") from None
-        # Here, not in the first dequeue: populating fresh pages was most of
-        # a first large message's time where readers share a core.
+        # Here, not in the first dequeue: where readers share a core,
+        # populating fresh pages is a large share of a first large
+        # message's time.
         self.stream.buffers.warm(self._warm_bytes)
 
     def shutdown(self) -> None:
