@@ -1,9 +1,8 @@
 from typing import Any, Iterable
 
 from fastmq._arena import ArenaEnd, SlotBuffer
+from fastmq._arena_pages import SlotPages
 from fastmq._segment import Segment
-
-def set_populate(enabled: bool) -> None: ...
 
 class ArenaWriterEnd(ArenaEnd):
     """The writer's end of an arena segment: claims slots, copies buffers
@@ -13,6 +12,7 @@ class ArenaWriterEnd(ArenaEnd):
     copy_threads: int
     copy_min_part: int
     prefault_ahead: bool
+    pages: SlotPages
     @staticmethod
     def create(seg: Segment, n_reader: int, n_slots: int, slot_bytes: int, min_bytes: int,
                copy_threads: int, copy_min_part: int, prefault_ahead: bool,

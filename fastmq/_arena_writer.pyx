@@ -2,9 +2,10 @@
 """The tensor arena's writer end (``ArenaWriterEnd``): claim a free slot,
 copy a large buffer into it (in parallel threads), publish it and send a
 slot descriptor in its place; commit or abort a message's slots; reserve
-slots for ``empty_tensor``; pre-fault, off the hot path, the pages the next
-buffer of that size will need.  The layout, the flag protocol and the
-shared base are in ``fastmq._arena``.
+slots for ``empty_tensor``; choose what to pre-fault, off the hot path:
+the pages the next buffer of that size will need (the pages themselves and
+the background thread are in ``fastmq._arena_pages``).  The layout, the
+flag protocol and the shared base are in ``fastmq._arena``.
 
 Why descriptors in the out-of-band list rather than a ``reducer_override``
 stub: CPython's C pickler hands ``PickleBuffer`` (and dict, list, tuple,
@@ -29,22 +30,16 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
 from fastmq._arena cimport ArenaEnd, SlotBuffer
-from fastmq._native.atomic cimport (fmq_local_load_int, fmq_local_load_u64_acq,
-                                    fmq_local_max_u64_rel, fmq_local_store_int,
+from fastmq._native.atomic cimport (fmq_local_load_u64_acq, fmq_local_max_u64_rel,
                                     fmq_store_u8_rel, fmq_store_u64_rel)
 from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
+from fastmq._arena_pages cimport SlotPages
 from fastmq._segment cimport Segment
-from fastmq._segment import ShmFullError, memory_available
 
-# Memory the arena leaves to the rest of the host when it takes new pages.
-cdef Py_ssize_t MEMORY_HEADROOM = 64 << 20
-
-import collections
 import logging
 import os
 import secrets
 import sys
-import threading
 from pickle import PickleBuffer
 
 from fastmq._arena import (DESC_MAGIC, LAYOUT_VERSION, MAGIC, PAGE, READERS_ISOLATED,
@@ -53,13 +48,9 @@ from fastmq._arena_layout cimport *
 
 logger = logging.getLogger("fastmq")
 
-# Static in the header: this module's copy is the one the writer's copies
-# and pre-faults consult (set_populate below).
 cdef extern from "fmq_populate.h" nogil:
     int fmq_populate(char *p, size_t n)
     int fmq_have_populate()
-    void fmq_set_populate(int on)
-    int fmq_prefault(char *p, size_t n, int *cancel)
 
 
 cdef extern from "fmq_copy.h" nogil:
@@ -69,15 +60,6 @@ cdef extern from "fmq_copy.h" nogil:
 
 cdef uint64_t C_MAGIC = MAGIC
 cdef uint64_t C_DESC_MAGIC = DESC_MAGIC
-# How long close() waits for a cancelled background pre-fault (seconds):
-# far more than its 2 MiB step takes; a bound, not an expected wait.
-JOIN_PREFAULT_S = 5.0
-
-
-def set_populate(bint enabled):
-    """Use MADV_POPULATE_WRITE where the kernel has it (default), or behave
-    as on a kernel without it (posix_fallocate, then touch).  For tests."""
-    fmq_set_populate(enabled)
 
 
 # torch is optional; without it only numpy arrays and raw buffers use slots.
@@ -110,10 +92,6 @@ cdef class ArenaWriterEnd(ArenaEnd):
     """The writer's end of an arena segment (``create``): it claims slots,
     copies buffers into them and publishes them.  The Python surface is
     ``fastmq.arena.ArenaWriter``."""
-
-    def __cinit__(self):
-        self.prefault_jobs = collections.deque()
-        self.prefault_lock = threading.Lock()
 
     @staticmethod
     def create(Segment seg, int n_reader, int n_slots, Py_ssize_t slot_bytes,
@@ -151,20 +129,15 @@ cdef class ArenaWriterEnd(ArenaEnd):
         self.prefault_ahead = prefault_ahead
         self.reserved = <int *>calloc(n_slots, sizeof(int))
         self.in_message = <uint8_t *>calloc(n_slots, 1)
-        self.faulted = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
-        self.prefault_target = <uint64_t *>calloc(n_slots, sizeof(uint64_t))
-        if (self.reserved == NULL or self.in_message == NULL or self.faulted == NULL
-                or self.prefault_target == NULL):
+        if self.reserved == NULL or self.in_message == NULL:
             raise MemoryError()
+        self.pages = SlotPages(seg, self.name, self.n_slots, self.slot_bytes, self.data_off)
         return self
 
     def __dealloc__(self):
-        # Runs only once no SlotBuffer and no prefault thread is left (they
-        # hold references).
+        # Runs only once no SlotBuffer is left (they hold references).
         free(self.reserved)
         free(self.in_message)
-        free(self.faulted)
-        free(self.prefault_target)
 
     def free_slots(self):
         """Slots the writer could fill now (free by the flags and not held
@@ -173,9 +146,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
 
     def faulted_bytes(self, int slot):
         """Bytes from the start of ``slot`` known to be populated."""
-        if not (0 <= slot < self.n_slots):
-            return 0
-        return fmq_local_load_u64_acq(&self.faulted[slot])
+        return self.pages.faulted_bytes(slot)
 
     # binding(False): a plain METH_O method, the cheapest callable the C
     # pickler can call (it calls this for every non-builtin object).
@@ -296,7 +267,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
         cdef uint64_t warm, best_warm = 0
         for s in range(self.n_slots):
             if self.reserved[s] == 0 and self.in_message[s] == 0 and self.slot_free(s):
-                warm = fmq_local_load_u64_acq(&self.faulted[s])
+                warm = fmq_local_load_u64_acq(&self.pages.faulted[s])
                 if warm >= <uint64_t>nbytes:
                     return s
                 if best < 0 or warm > best_warm:
@@ -329,14 +300,14 @@ cdef class ArenaWriterEnd(ArenaEnd):
 
     cdef object copy_in(self, int slot, const char *src, Py_ssize_t nbytes):
         cdef char *dst = self.slot_ptr(slot)
-        cdef uint64_t warm = fmq_local_load_u64_acq(&self.faulted[slot])
+        cdef uint64_t warm = fmq_local_load_u64_acq(&self.pages.faulted[slot])
         cdef size_t cold_from = warm if warm < <uint64_t>nbytes else nbytes
         cdef int err, used = 1, threads = self.copy_threads
         cdef size_t min_part = self.copy_min_part
         if cold_from < <size_t>nbytes and (
-                self.memory_short(slot, nbytes - cold_from)
+                self.pages.memory_short(slot, nbytes - cold_from)
                 or (not fmq_have_populate()
-                    and self.reserve_pages(slot, cold_from, nbytes - cold_from) != 0)):
+                    and self.pages.reserve(slot, cold_from, nbytes - cold_from) != 0)):
             return None           # no memory for it: the buffer takes the socket path
         # written = 0 while the bytes change: a stale descriptor for this
         # slot is refused by readers from here on.
@@ -348,15 +319,15 @@ cdef class ArenaWriterEnd(ArenaEnd):
             err = fmq_parallel_copy(dst, src, nbytes, cold_from, threads, min_part, &used)
         if err:
             self.in_message[slot] = 0
-            self.n_nomem += 1
-            if not self.logged_nomem:
-                self.logged_nomem = True
+            self.pages.n_nomem += 1
+            if not self.pages.logged_nomem:
+                self.pages.logged_nomem = True
                 logger.warning(
                     "fastmq arena %s: cannot allocate %d bytes of shared memory for slot %d "
                     "(%s); buffers take the out-of-band path while this lasts. Logged once.",
                     self.name, nbytes, slot, os.strerror(err))
             return None
-        fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+        fmq_local_max_u64_rel(&self.pages.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
         epoch = self.publish(slot)
         self.after_use(slot, nbytes, cold_from < <size_t>nbytes)
         self.n_hits += 1
@@ -439,53 +410,22 @@ cdef class ArenaWriterEnd(ArenaEnd):
     cdef int populate_for_use(self, int slot, Py_ssize_t nbytes) except -2:
         """Make ``nbytes`` of ``slot`` resident before the caller writes it:
         0, or -1 when shared memory cannot be allocated (no SIGBUS later)."""
-        cdef uint64_t warm = fmq_local_load_u64_acq(&self.faulted[slot])
+        cdef uint64_t warm = fmq_local_load_u64_acq(&self.pages.faulted[slot])
         cdef int err
         if warm >= <uint64_t>nbytes:
             self.after_use(slot, nbytes, False)
             return 0
-        if self.memory_short(slot, nbytes - warm):
+        if self.pages.memory_short(slot, nbytes - warm):
             return -1
-        if not fmq_have_populate() and self.reserve_pages(slot, warm, nbytes - warm) != 0:
+        if not fmq_have_populate() and self.pages.reserve(slot, warm, nbytes - warm) != 0:
             return -1
         with nogil:
             err = fmq_populate(self.slot_ptr(slot) + warm, nbytes - warm)
         if err:
-            self.n_nomem += 1
+            self.pages.n_nomem += 1
             return -1
-        fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+        fmq_local_max_u64_rel(&self.pages.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
         self.after_use(slot, nbytes, True)
-        return 0
-
-    cdef bint memory_short(self, int slot, Py_ssize_t n) except -1:
-        # Asked before new pages are touched: an anonymous memory file has
-        # no size limit of its own, so populating past what the host (or
-        # this cgroup) has left would wake the OOM killer, not fail.  Some
-        # room stays for everything else.  Only on cold pages, never in
-        # the steady state.
-        avail = memory_available()
-        if avail < 0 or avail >= n + MEMORY_HEADROOM:
-            return False
-        self.n_nomem += 1
-        if not self.logged_nomem:
-            self.logged_nomem = True
-            logger.warning(
-                "fastmq arena %s: %d MiB of memory left, too little for %d bytes of slot %d "
-                "(the arena leaves %d MiB to the host); buffers take the out-of-band path "
-                "while this lasts. Logged once.", self.name, avail >> 20, n, slot,
-                MEMORY_HEADROOM >> 20)
-        return True
-
-    cdef int reserve_pages(self, int slot, Py_ssize_t start, Py_ssize_t n) except -2:
-        # Kernels without MADV_POPULATE_WRITE: allocate the pages through the
-        # segment's descriptor, so that memory running out is an error here and
-        # never a SIGBUS in the copy or the pre-fault that touches them.
-        try:
-            self.segment.reserve(self.data_off + slot * self.slot_bytes + start, n,
-                                 "arena slot %d" % slot)
-        except (ShmFullError, OSError, ValueError):
-            self.n_nomem += 1
-            return -1
         return 0
 
     cdef void drop_ref(self, int slot) noexcept:
@@ -514,9 +454,9 @@ cdef class ArenaWriterEnd(ArenaEnd):
             if (s == slot or self.reserved[s] != 0 or self.in_message[s] != 0
                     or not self.slot_free(s)):
                 continue
-            if (fmq_local_load_u64_acq(&self.faulted[s]) < want
-                    and self.prefault_target[s] < want):
-                self.prefault((s,), want)
+            if (fmq_local_load_u64_acq(&self.pages.faulted[s]) < want
+                    and self.pages.target[s] < want):
+                self.pages.prefault((s,), want)
             return None
         return None
 
@@ -535,115 +475,24 @@ cdef class ArenaWriterEnd(ArenaEnd):
         first large buffer does not wait for fresh pages."""
         if upto > 0 and self.prefault_ahead and not self.closed:
             self.warm_unused = True
-            self.prefault((0,), upto)
+            self.pages.prefault((0,), upto)
 
     def prefault(self, slots, upto=None):
         """Populate the first ``upto`` bytes (default: all) of each of
         ``slots`` in a background thread, off the hot path.  What is
         already populated or queued is skipped."""
-        cdef int s
-        cdef uint64_t want = self.slot_bytes
-        if upto is not None:
-            want = min(_align(max(0, upto), PAGE), self.slot_bytes)
-        if self.closed or want == 0:
-            return
-        with self.prefault_lock:
-            for s in slots:
-                if not (0 <= s < self.n_slots):
-                    continue
-                if (fmq_local_load_u64_acq(&self.faulted[s]) >= want
-                        or self.prefault_target[s] >= want):
-                    continue
-                if self.prefault_target[s] == 0:
-                    self.prefault_jobs.append(s)
-                self.prefault_target[s] = want
-            if self.prefault_jobs and not self.prefault_running:
-                self.prefault_running = True
-                self.prefault_thread = threading.Thread(
-                    target=self._prefault_loop, name="fastmq-arena-prefault", daemon=True)
-                self.prefault_thread.start()
-
-    def _prefault_loop(self):
-        cdef int s = 0, err
-        cdef uint64_t start, upto
-        cdef char *p
-        cdef size_t n
-        # Only on a core nobody else wants (SCHED_IDLE, this thread only):
-        # pages populated ahead help the next buffer, but never at the cost
-        # of the copy or of the readers reading this one (measured on 2
-        # vCPUs: a slot's first use about 8% faster).  A busy host leaves
-        # the pages to the copies, which fault them in themselves.
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):
-            pass
-        while True:
-            with self.prefault_lock:
-                if not self.prefault_jobs or fmq_local_load_int(&self.cancel_prefault):
-                    self.prefault_running = False
-                    return
-                s = self.prefault_jobs.popleft()
-                upto = self.prefault_target[s]
-                self.prefault_target[s] = 0
-            start = fmq_local_load_u64_acq(&self.faulted[s])
-            if start >= upto:
-                continue
-            p = self.slot_ptr(s) + start
-            n = upto - start
-            if self.memory_short(s, n) or (
-                    not fmq_have_populate() and self.reserve_pages(s, start, n) != 0):
-                logger.warning("fastmq arena %s: no memory to pre-fault slot %d; buffers "
-                               "that need it fall back to the socket", self.name, s)
-                self.stop_prefault()
-                return
-            with nogil:
-                err = fmq_prefault(p, n, &self.cancel_prefault)
-            if err == 0:
-                fmq_local_max_u64_rel(&self.faulted[s], upto)
-                self.n_prefaulted += n
-            elif err > 0:
-                self.prefault_error = err
-                logger.warning("fastmq arena %s: background pre-fault of slot %d failed (%s); "
-                               "the copy will fault those pages itself", self.name, s,
-                               os.strerror(err))
-                self.stop_prefault()
-                return
-
-    cdef object stop_prefault(self):
-        # After a failure: drop what is queued (the copies populate what
-        # they need themselves, and fall back when they cannot).
-        with self.prefault_lock:
-            self.prefault_running = False
-            while self.prefault_jobs:
-                self.prefault_target[self.prefault_jobs.popleft()] = 0
+        if not self.closed:
+            self.pages.prefault(slots, upto)
 
     def prefault_idle(self):
         """True when no background pre-fault is queued or running."""
-        with self.prefault_lock:
-            return not self.prefault_running
+        return self.pages.idle()
 
     def close(self):
         """Stop background work and refuse new diversions.  The mapping
         itself goes when the last reference (views included) does."""
         ArenaEnd.close(self)
-        fmq_local_store_int(&self.cancel_prefault, 1)
-        self.join_prefault()
-
-    cdef object join_prefault(self):
-        # The background thread holds this end, and with it the mapping,
-        # while it runs: a queue closed (or collected) right after it was
-        # created, while its first slot is still being warmed, would hold
-        # the memory a while longer.  Cancelled, the thread stops within a
-        # 2 MiB step once it runs; out of SCHED_IDLE, so that a busy host
-        # does not keep it from running.
-        cdef object t = self.prefault_thread
-        if t is None or t is threading.current_thread() or not t.is_alive():
-            return
-        try:
-            os.sched_setscheduler(t.native_id, os.SCHED_OTHER, os.sched_param(0))
-        except (AttributeError, OSError, TypeError):
-            pass
-        t.join(JOIN_PREFAULT_S)
+        self.pages.close()
 
     def stats(self):
         out = {
@@ -654,10 +503,10 @@ cdef class ArenaWriterEnd(ArenaEnd):
             "arena_fallback_oversize": self.n_oversize,
             "arena_fallback_declined": self.n_declined,
             "arena_fallback_small": self.n_small,
-            "arena_fallback_nomem": self.n_nomem,
+            "arena_fallback_nomem": self.pages.n_nomem,
             "arena_empty_tensors": self.n_empty,
             "arena_empty_misses": self.n_empty_miss,
-            "arena_prefaulted_bytes": self.n_prefaulted,
+            "arena_prefaulted_bytes": self.pages.n_prefaulted,
         }
         out.update(self.common_stats())
         return out

@@ -244,9 +244,9 @@ cdef class BufferPool:
 
     def warm(self, Py_ssize_t nbytes):
         """Have a populated block of ``nbytes`` (whole pages) kept for the
-        next ``take``, unless one as large is kept already or the cap is
-        smaller: the first frame of about that size then finds its pages
-        in place."""
+        next ``take``, unless a kept block would serve that ``take``
+        already or the cap is smaller: the first frame of about that size
+        then finds its pages in place."""
         if nbytes < 0:
             raise ValueError(f"BufferPool.warm: nbytes must be >= 0, got {nbytes}")
         cdef size_t need = _pages(<size_t>nbytes)
@@ -254,7 +254,7 @@ cdef class BufferPool:
         if need == 0 or need > self.cap:
             return
         for i in range(self.n):
-            if self.sizes[i] >= need:
+            if need <= self.sizes[i] <= 2 * need:   # what take() would reuse
                 return
         try:
             self.take(nbytes)   # dropped at once: given back, and kept

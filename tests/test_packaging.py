@@ -24,8 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DIST = "vllm-fastmq"
-COMPILED = ["_segment", "_sink", "_ring", "_ring_writer", "_ring_reader", "_arena", "_arena_writer",
-            "_arena_reader", "_floor"]
+COMPILED = ["_segment", "_sink", "_ring", "_ring_writer", "_ring_reader", "_arena", "_arena_pages",
+            "_arena_writer", "_arena_reader", "_floor"]
 
 # What the sdist must carry beyond the package: the test suite with its
 # helpers (a missing conftest or children module makes it unrunnable), the

@@ -40,11 +40,6 @@ static inline int fmq_have_populate(void) {
     return fmq_local_load_int(&fmq_populate_ok);
 }
 
-/* Tests: behave as on a kernel without MADV_POPULATE_WRITE (0) or not. */
-static inline void fmq_set_populate(int on) {
-    fmq_local_store_int(&fmq_populate_ok, on ? 1 : 0);
-}
-
 /* Allocate and map [p, p+n) writable without changing its contents.
  * 0, or the errno: EFAULT/ENOMEM is what would otherwise be a SIGBUS in
  * the middle of a memcpy (tmpfs full) -- the caller falls back instead. */
