@@ -52,6 +52,9 @@ cdef extern from "fmq_populate.h" nogil:
 cdef extern from "fmq_copy.h" nogil:
     int fmq_parallel_populate(char *p, size_t n, int threads, size_t min_part)
 
+cdef extern from "fmq_stream_copy.h" nogil:
+    void fmq_stream_copy(char *dst, const char *src, size_t n)
+
 cdef extern from "fmq_heap.h" nogil:
     size_t FMQ_HEAP_HINT_MAX
     void fmq_heap_hint(size_t n)
@@ -90,6 +93,22 @@ def fresh_bytes(Py_ssize_t length):
     cdef Filling target = Filling.__new__(Filling)
     target.obj = obj
     return obj, target
+
+
+def copy_streaming(dst, src):
+    """Copy ``src`` into ``dst`` (writable, the same length) with
+    streaming stores (fmq_stream_copy.h): for a received segment on its
+    way into a frame larger than the caches, which the copy need not
+    read first.  The GIL is released for the copy."""
+    cdef const unsigned char[::1] s = src
+    cdef unsigned char[::1] d = dst
+    cdef size_t n = s.shape[0]
+    if <size_t>d.shape[0] != n:
+        raise ValueError(f"copy_streaming: the target holds {d.shape[0]} bytes, "
+                         f"the source {n}")
+    if n:
+        with nogil:
+            fmq_stream_copy(<char *>&d[0], <const char *>&s[0], n)
 
 
 cdef void heap_keep(size_t n) noexcept:

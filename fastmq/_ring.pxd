@@ -25,7 +25,8 @@ cdef enum:
 cdef enum:
     FRAME_HEAD = 8
     MARK_BYTES = 16
-    RESERVE_STEP = 65536     # pages are reserved in steps of this many bytes
+    RESERVE_STEP = 4096      # pages are reserved in steps of this many bytes (one page)
+    CHECK_STEP = 65536       # ...and the host's memory asked for in steps of this many
     NOGIL_COPY_MIN = 65536   # copies this large release the GIL
     # A message too big for a chunk goes, with node-local readers only, as
     # parts through consecutive chunks (fastmq/_ring.pyx): kind byte, part

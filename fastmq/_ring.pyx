@@ -13,7 +13,7 @@ Segment layout (all offsets from the mapping's base)::
     |   futex words, one cache  |   each futex word / counter on its own
     |   line each               |   64-byte line so that polling one does
     |   reader slots (64 B each)|   not false-share with another
-    +---------------------------+ meta_off  (page aligned)
+    +---------------------------+ meta_off  (64-byte aligned)
     | meta[0] | meta[1] | ...   |   meta_stride bytes per chunk (64 B lines):
     +---------------------------+   [written u8][read u8 x n_reader]
     | chunk 0 | chunk 1 | ...   |   data_off (page aligned),
@@ -83,7 +83,8 @@ from fastmq._proc import START_TAG_MASK, is_alive as _process_alive
 
 MAGIC = 0x3152514d54534146   # b"FASTMQR1" little-endian
 # 2: reader slots hold one 64-bit claim word (pid, start tag, LEFT).
-LAYOUT_VERSION = 2
+# 3: the chunk flags follow the reader slots (64-byte aligned, not a page).
+LAYOUT_VERSION = 3
 
 fmq_pid_init()
 
@@ -168,7 +169,9 @@ def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     if max_chunks < 1:
         raise ValueError("max_chunks must be at least 1, got %d" % max_chunks)
     stride = _align(1 + n_reader, 64)
-    meta_off = _align(H_READER_SLOTS + READER_SLOT * n_reader, 4096)
+    # The flags follow the reader slots in the header's page where they
+    # fit: a small ring's bookkeeping is one page, as vLLM's is.
+    meta_off = _align(H_READER_SLOTS + READER_SLOT * n_reader, 64)
     data_off = _align(meta_off + stride * max_chunks, 4096)
     total = data_off + max_chunk_bytes * max_chunks
     return stride, meta_off, data_off, total

@@ -30,7 +30,7 @@ from fastmq._native.atomic cimport (
     fmq_load_u64_acq, fmq_store_u8_rel, fmq_store_u32_rel, fmq_store_u64_rel)
 from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
 from fastmq._ring cimport (CHUNK_PART, CHUNK_PART_ABORT, FRAME_HEAD, MARK_BYTES,
-                           NOGIL_COPY_MIN, PART_HEAD, RESERVE_STEP,
+                           CHECK_STEP, NOGIL_COPY_MIN, PART_HEAD, RESERVE_STEP,
                            ST_PICKLER_STALE, ST_READER_DIED, ST_READY, W_ZMQ, RingEnd,
                            claim_alive, spin_tick)
 from fastmq._ring_layout cimport *
@@ -260,16 +260,25 @@ cdef class RingWriter(RingEnd):
 
     cdef int reserve_chunk(self, int idx, Py_ssize_t nbytes) except -1:
         # Steady state: one comparison.  A chunk's reservation only grows,
-        # in RESERVE_STEP steps, so a stream of similar sizes pays one
-        # posix_fallocate per chunk in the ring's lifetime.
+        # to the page that the largest message so far ended in: a chunk
+        # holds no page that no message wrote (in 64 KiB steps it held up
+        # to 60 KiB more than vLLM's ring, which holds the pages it wrote).
+        # The host's memory is asked for in CHECK_STEP steps, as before:
+        # asking costs tens of microseconds, and a stream whose sizes creep
+        # up would otherwise ask at every new page.
         if nbytes <= self.reserved[idx]:
             return 0
         cdef Py_ssize_t want = min(_align(nbytes, RESERVE_STEP), self.max_chunk_bytes)
         cdef Py_ssize_t have = self.reserved[idx]
+        cdef Py_ssize_t asked = min(_align(have, CHECK_STEP), self.max_chunk_bytes)
+        cdef Py_ssize_t check = 0
+        if want > asked:
+            check = min(_align(want, CHECK_STEP), self.max_chunk_bytes) - have
         # Allocated and mapped: the copy into a fresh chunk takes no fault
         # per page.
         self.segment.populate(self.data_off + idx * self.max_chunk_bytes + have, want - have,
-                              "writing a %d-byte message into ring chunk %d" % (nbytes, idx))
+                              "writing a %d-byte message into ring chunk %d" % (nbytes, idx),
+                              check)
         self.reserved[idx] = want
         return 0
 

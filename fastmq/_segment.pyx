@@ -125,6 +125,17 @@ def memory_available():
     return avail
 
 
+cdef int _check_memory(str what, Py_ssize_t nbytes, str name) except -1:
+    # memory_available() reads a few /proc and cgroup files (tens of us):
+    # callers that grow a range a page at a time ask once per larger step.
+    if nbytes <= 0:
+        return 0
+    avail = memory_available()
+    if 0 <= avail < nbytes:
+        raise shm_full_error(what, nbytes, name)
+    return 0
+
+
 cdef object _os_error(int err, str what, str name):
     msg = "%s %r: %s" % (what, name, strerror(err).decode())
     if err == ENOENT:
@@ -260,19 +271,20 @@ cdef class Segment:
                              % self.name)
         return "%s:%d:%d" % (self.name, self.fd, self.inode)
 
-    def reserve(self, Py_ssize_t offset, Py_ssize_t length, str what="this write"):
+    def reserve(self, Py_ssize_t offset, Py_ssize_t length, str what="this write",
+                Py_ssize_t check=-1):
         """Allocate the pages of ``[offset, offset + length)`` now, so that
         writing them later cannot fault.  Raises ``ShmFullError`` (naming
         ``what``) when the memory cannot be had, OSError on other failures;
-        only the creator can reserve."""
+        only the creator can reserve.  ``check``: the bytes the host is
+        asked to have first (``length`` by default; 0 where the caller
+        asked for this range already, with a larger one)."""
         if offset < 0 or length < 0 or offset > self.size or length > self.size - offset:
             raise ValueError("reserve(%d, %d) outside segment %r of %d bytes"
                              % (offset, length, self.name, self.size))
         if self.fd < 0:
             raise ValueError("segment %r was not created by this end" % self.name)
-        avail = memory_available()
-        if 0 <= avail < length:
-            raise shm_full_error(what, length, self.name)
+        _check_memory(what, length if check < 0 else check, self.name)
         cdef int err
         with nogil:
             err = posix_fallocate(self.fd, offset, length)
@@ -281,20 +293,20 @@ cdef class Segment:
         if err != 0:
             raise _os_error(err, "cannot reserve pages of shared memory segment", self.name)
 
-    def populate(self, Py_ssize_t offset, Py_ssize_t length, str what="this write"):
+    def populate(self, Py_ssize_t offset, Py_ssize_t length, str what="this write",
+                 Py_ssize_t check=-1):
         """``reserve``, and map the pages into this process too, in one call
         (``MADV_POPULATE_WRITE``, Linux 5.14; ``reserve`` alone before): a
-        copy into the range then takes no page fault per 4 KiB."""
+        copy into the range then takes no page fault per 4 KiB.  ``check``
+        as for ``reserve``."""
         if offset < 0 or length < 0 or offset > self.size or length > self.size - offset:
             raise ValueError("populate(%d, %d) outside segment %r of %d bytes"
                              % (offset, length, self.name, self.size))
         if self.fd < 0 or self.readonly or not fmq_have_populate():
-            return self.reserve(offset, length, what)
+            return self.reserve(offset, length, what, check)
         # A memory file has no size limit of its own: populating past what
         # the host has left would wake the OOM killer, so asked first.
-        avail = memory_available()
-        if 0 <= avail < length:
-            raise shm_full_error(what, length, self.name)
+        _check_memory(what, length if check < 0 else check, self.name)
         cdef int err
         with nogil:
             err = fmq_populate(self.addr + offset, length)

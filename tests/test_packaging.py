@@ -44,7 +44,7 @@ SDIST_REQUIRED = [
     "fastmq/_ring_writer.pyx", "fastmq/_ring_writer.pxd",
     "fastmq/_ring_reader.pyx", "fastmq/_ring_reader.pxd",
     "fastmq/_native/fmq_atomic.h", "fastmq/_native/fmq_populate.h", "fastmq/_native/fmq_copy.h",
-    "fastmq/_native/fmq_cow.h", "fastmq/_native/layout.pxd",
+    "fastmq/_native/fmq_cow.h", "fastmq/_native/fmq_stream_copy.h", "fastmq/_native/layout.pxd",
     "fastmq/vllm/fastmq-vllm.pth", "fastmq/py.typed",
 ]
 

@@ -163,6 +163,45 @@ def test_a_large_stream_without_large_buffers_goes_whole():
     assert 12 << 20 < st["parts_bytes"] < (12 << 20) + 4096
 
 
+def test_a_ring_holds_the_pages_its_messages_wrote_and_one_of_bookkeeping():
+    # vLLM's ring holds one page of metadata and, in each chunk, the pages
+    # its largest message there wrote; so does fastmq's (the reader slots
+    # and chunk flags share the header's page, and a chunk is reserved to
+    # the page, not in larger steps).
+    w, (r,) = local_pair(max_chunk_bytes=1 << 20, max_chunks=4,
+                         enable_shm_tensor_arena=False)
+    seg = w.buffer.segment
+    assert seg.held_bytes() == 4096
+    sizes = [100_000, 300_001, 5000, 200_000]
+    for n in sizes:
+        w.enqueue(b"x" * n, timeout=10)
+        assert r.dequeue(timeout=10) == b"x" * n
+    st = w.stats()
+    assert st["ring_messages"] == len(sizes), st   # whole, each in a chunk of its own
+    # Each chunk: its message's pickle (a few bytes of framing around it),
+    # rounded up to a page.
+    want = 4096 + sum(-(-(n + 64) // 4096) * 4096 for n in sizes)
+    assert want - 4096 * len(sizes) <= seg.held_bytes() <= want
+
+
+def test_a_ring_asks_for_memory_in_steps_while_sizes_creep_up(monkeypatch):
+    # Pages are reserved one by one as messages grow, but the host's memory
+    # (a read of /proc and cgroup files) is asked for once per 64 KiB of
+    # growth in a chunk, not at every page.
+    from fastmq import _segment
+    asked = []
+    real = _segment.memory_available
+    monkeypatch.setattr(_segment, "memory_available", lambda: asked.append(1) or real())
+    w, (r,) = local_pair(max_chunk_bytes=1 << 20, max_chunks=4,
+                         enable_shm_tensor_arena=False)
+    sizes = range(1000, 300_000, 700)       # 428 messages, 107 to each chunk
+    for n in sizes:
+        w.enqueue(b"y" * n, timeout=10)
+        assert len(r.dequeue(timeout=10)) == n
+    assert len(asked) <= 4 * (-(-300_100 // 65536) + 1), len(asked)
+    assert w.buffer.segment.held_bytes() <= 4096 + 4 * (300_100 + 4096)
+
+
 def test_cut_makes_equal_parts_with_the_head_in_the_first():
     from fastmq._parts import cut
     from fastmq._sink import KIND_BUFFER

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fastmq import MessageQueue, _wire
-from fastmq._recv_buffers import BufferPool
+from fastmq._recv_buffers import BufferPool, copy_streaming
 from fastmq.shm_usage import resident_bytes
 
 from _queues import local_pair
@@ -119,6 +119,26 @@ def test_a_frame_larger_than_the_cap_does_not_take_a_kept_block():
     del big
     again = pool.take(4 * MiB)           # the kept block is still there
     assert pool.reused == 1 and pool.held_bytes == 0
+
+
+def test_a_streaming_copy_is_byte_exact_at_any_alignment():
+    # Heads before the first 64-byte line of the target, whole lines,
+    # tails; and nothing outside the target is written.
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 63, 64, 65, 200, 4096 + 17, (1 << 20) + 5):
+        src = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        for off in (0, 1, 31, 63):
+            out = bytearray(n + off + 70)
+            copy_streaming(memoryview(out)[off:off + n], src)
+            assert bytes(out[off:off + n]) == src
+            assert out[:off] == bytes(off) and out[off + n:] == bytes(70)
+
+
+def test_a_streaming_copy_names_a_length_mismatch():
+    with pytest.raises(ValueError, match="target holds 3 bytes, the source 2"):
+        copy_streaming(bytearray(3), b"ab")
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        copy_streaming(b"abc", b"abc")     # read-only target
 
 
 @pytest.mark.parametrize("length", [0, -1])

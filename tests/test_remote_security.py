@@ -185,6 +185,50 @@ def test_a_changed_byte_is_refused(size, security):
         r.dequeue(timeout=10)
 
 
+@pytest.mark.parametrize("security", ["mac", "encrypt"])
+def test_a_frame_larger_than_the_caches_is_checked_before_it_is_handed_out(security):
+    """A frame from STREAMING_STORE_BYTES up is checked in the reader's
+    landing buffer and copied into place with streaming stores: every byte
+    arrives, and a byte changed deep inside such a frame is refused."""
+    import numpy as np
+    from fastmq import _stream
+    n = (_stream.STREAMING_STORE_BYTES + (3 << 20) + 40) // 8
+    big = np.arange(n, dtype=np.int64) * 7919
+    seen = [0]
+
+    def late_flip(data):
+        # One byte, well inside the frame (past its first segments).
+        before, seen[0] = seen[0], seen[0] + len(data)
+        at = (20 << 20) - before
+        if 0 <= at < len(data):
+            return data[:at] + bytes([data[at] ^ 1]) + data[at + 1:]
+        return data
+
+    for tamper, ok in ((lambda data: data, True), (late_flip, False)):
+        w, r = _through_middle(tamper, security)
+        errors = []
+
+        def send():
+            try:
+                w.enqueue(big)
+            except RuntimeError as e:     # the reader hung up on the forgery
+                errors.append(e)
+
+        t = threading.Thread(target=send, daemon=True)
+        t.start()
+        if ok:
+            got = r.dequeue(timeout=30)
+            assert got.dtype == big.dtype and np.array_equal(got, big)
+        else:
+            with pytest.raises(CorruptChunkError, match="failed authentication"):
+                r.dequeue(timeout=30)
+        if ok:
+            t.join(30)
+            assert not t.is_alive() and not errors
+        r.shutdown()
+        w.shutdown()
+
+
 def test_a_replayed_message_is_refused():
     copies = []
 
