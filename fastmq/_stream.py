@@ -52,9 +52,9 @@ LONG_WAITS = 4
 # segments are checked where they land (in cache) and copied in with
 # streaming stores (see Stream._segment).  Smaller frames are received (or
 # decrypted) straight into place.  Measured on 2 vCPUs (one reader, 64
-# MiB): 20.7 ms against 22.9 with the default MAC.  At 16 MiB the frame
-# stayed in cache and the extra copy cost more than it saved (4.7 ms
-# against 3.9), though four readers on one core gained.
+# MiB): 20.6 ms against 21.6-23.1 with the default MAC.  At 16 MiB the
+# frame stayed in cache and the extra copy cost more than it saved (4.7
+# ms against 3.9), though four readers on one core gained.
 STREAMING_STORE_BYTES = 32 << 20
 
 
