@@ -17,10 +17,12 @@ cdef class SlotPages:
     cdef bint running
     cdef int cancel
     cdef readonly uint64_t n_prefaulted
-    cdef public uint64_t n_nomem
-    cdef public bint logged_nomem
+    cdef readonly uint64_t n_nomem
+    cdef bint logged_nomem
 
     cdef bint memory_short(self, int slot, Py_ssize_t n) except -1
+    cdef void populated(self, int slot, Py_ssize_t nbytes) noexcept
+    cdef object failed(self, int slot, Py_ssize_t nbytes, int err)
     cdef int reserve(self, int slot, Py_ssize_t start, Py_ssize_t n) except -2
     cdef object stop(self)
     cdef object close(self)

@@ -8,7 +8,6 @@ class SlotPages:
 
     n_prefaulted: int
     n_nomem: int
-    logged_nomem: bool
     def __init__(self, segment: Segment, name: str, n_slots: int, slot_bytes: int,
                  data_off: int) -> None: ...
     def faulted_bytes(self, slot: int) -> int: ...

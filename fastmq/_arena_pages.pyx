@@ -85,6 +85,22 @@ cdef class SlotPages:
                 MEMORY_HEADROOM >> 20)
         return True
 
+    cdef void populated(self, int slot, Py_ssize_t nbytes) noexcept:
+        # The first nbytes of the slot are resident now (a copy or a
+        # populate wrote them); the extent only grows.
+        fmq_local_max_u64_rel(&self.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+
+    cdef object failed(self, int slot, Py_ssize_t nbytes, int err):
+        # A copy or populate into the slot's cold pages found no memory:
+        # counted, and logged once for the arena's life.
+        self.n_nomem += 1
+        if not self.logged_nomem:
+            self.logged_nomem = True
+            logger.warning(
+                "fastmq arena %s: cannot allocate %d bytes of shared memory for slot %d "
+                "(%s); buffers take the out-of-band path while this lasts. Logged once.",
+                self.name, nbytes, slot, os.strerror(err))
+
     cdef int reserve(self, int slot, Py_ssize_t start, Py_ssize_t n) except -2:
         # Kernels without MADV_POPULATE_WRITE: allocate the pages through the
         # segment's descriptor, so that memory running out is an error here and

@@ -30,7 +30,7 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
 from fastmq._arena cimport ArenaEnd, SlotBuffer
-from fastmq._native.atomic cimport (fmq_local_load_u64_acq, fmq_local_max_u64_rel,
+from fastmq._native.atomic cimport (fmq_local_load_u64_acq,
                                     fmq_store_u8_rel, fmq_store_u64_rel)
 from fastmq._native.layout cimport align_up as _align, word32 as _u32, word64 as _u64
 from fastmq._arena_pages cimport SlotPages
@@ -319,15 +319,9 @@ cdef class ArenaWriterEnd(ArenaEnd):
             err = fmq_parallel_copy(dst, src, nbytes, cold_from, threads, min_part, &used)
         if err:
             self.in_message[slot] = 0
-            self.pages.n_nomem += 1
-            if not self.pages.logged_nomem:
-                self.pages.logged_nomem = True
-                logger.warning(
-                    "fastmq arena %s: cannot allocate %d bytes of shared memory for slot %d "
-                    "(%s); buffers take the out-of-band path while this lasts. Logged once.",
-                    self.name, nbytes, slot, os.strerror(err))
+            self.pages.failed(slot, nbytes, err)
             return None
-        fmq_local_max_u64_rel(&self.pages.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+        self.pages.populated(slot, nbytes)
         epoch = self.publish(slot)
         self.after_use(slot, nbytes, cold_from < <size_t>nbytes)
         self.n_hits += 1
@@ -422,9 +416,9 @@ cdef class ArenaWriterEnd(ArenaEnd):
         with nogil:
             err = fmq_populate(self.slot_ptr(slot) + warm, nbytes - warm)
         if err:
-            self.pages.n_nomem += 1
+            self.pages.failed(slot, nbytes, err)
             return -1
-        fmq_local_max_u64_rel(&self.pages.faulted[slot], min(_align(nbytes, PAGE), self.slot_bytes))
+        self.pages.populated(slot, nbytes)
         self.after_use(slot, nbytes, True)
         return 0
 

@@ -156,6 +156,17 @@ def _tensor(i: int) -> torch.Tensor:
     return torch.full((3 * MiB // 8,), i, dtype=torch.int64)
 
 
+def _send_while_reading(w, r, t):
+    """``t`` through the queue, read while the writer sends (a large one is
+    more than the sockets hold at once); what the reader got."""
+    got = []
+    th = threading.Thread(target=lambda: got.append(r.dequeue(timeout=30)))
+    th.start()
+    w.enqueue(t, timeout=30)
+    th.join(30)
+    return got[0]
+
+
 def test_a_remote_reader_reuses_dropped_frames_and_keeps_live_ones_intact():
     w, r = _remote_pair()
     try:
@@ -188,14 +199,24 @@ def test_a_remote_reader_grows_a_dropped_frame_for_a_larger_message():
         del got
         gc.collect()
         larger = torch.arange(4 * MiB, dtype=torch.int64)      # 32 MiB
-        got = []
-        # Read while the writer sends: more than the sockets hold at once.
-        t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=30)))
-        t.start()
-        w.enqueue(larger, timeout=30)
-        t.join(30)
-        assert torch.equal(got[0], larger)
+        assert torch.equal(_send_while_reading(w, r, larger), larger)
         assert r.remote_socket.buffers.grown == 1
+    finally:
+        r.shutdown()
+        w.shutdown()
+
+
+def test_a_mac_reader_takes_a_landing_buffer_only_for_frames_larger_than_the_caches():
+    # Under the default MAC a frame below STREAMING_STORE_BYTES is received
+    # straight into place: the reader holds no 1 MiB landing buffer for it.
+    from fastmq._stream import STREAMING_STORE_BYTES
+    w, r = _remote_pair()
+    try:
+        stream = r.remote_socket
+        for n in (6 * MiB, STREAMING_STORE_BYTES + MiB):
+            t = torch.arange(n // 8, dtype=torch.int64)
+            assert torch.equal(_send_while_reading(w, r, t), t)
+            assert (stream._landing is not None) == (n >= STREAMING_STORE_BYTES), n
     finally:
         r.shutdown()
         w.shutdown()
@@ -211,13 +232,7 @@ def test_a_remote_reader_has_memory_ready_for_its_first_large_frame(monkeypatch)
         pool = r.remote_socket.buffers
         assert (pool.held_bytes, pool.reused) == (8 * MiB, 0)
         t = torch.full((8 * MiB // 8,), 3, dtype=torch.int64)
-        out = []
-        # Read while the writer sends: more than the sockets hold at once.
-        th = threading.Thread(target=lambda: out.append(r.dequeue(timeout=30)))
-        th.start()
-        w.enqueue(t, timeout=30)
-        th.join(30)
-        got = out[0]
+        got = _send_while_reading(w, r, t)
         assert torch.equal(got, t)
         assert (pool.reused, pool.held_bytes) == (1, 0)
         assert resident_bytes(got.data_ptr(), 8 * MiB) == 8 * MiB
