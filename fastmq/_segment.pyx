@@ -371,12 +371,7 @@ cdef class Segment:
 
     def __dealloc__(self):
         # Exports hold a reference to us, so at dealloc none is left.
-        if self.fd >= 0:
-            c_close(self.fd)
-            self.fd = -1
-        if self.addr != NULL:
-            munmap(self.addr, self.size)
-            self.addr = NULL
+        self._unmap()
 
     def __repr__(self):
         return "<Segment %r size=%d owner=%s>" % (self.name, self.size, self.owner)

@@ -53,8 +53,9 @@ LONG_WAITS = 4
 # streaming stores (see Stream._segment).  Smaller frames are received (or
 # decrypted) straight into place.  Measured on 2 vCPUs (one reader, 64
 # MiB): 20.6 ms against 21.6-23.1 with the default MAC.  At 16 MiB the
-# frame stayed in cache and the extra copy cost more than it saved (4.6-4.8
-# ms against 3.7-4.0), though four readers on one core gained.
+# frame stays in cache and the extra copy costs more than it saves (one
+# reader: 5.7-6.1 ms against 4.5-5.0), and four readers on one core gained
+# nothing beyond the spread of the runs (docs/design.md).
 STREAMING_STORE_BYTES = 32 << 20
 
 
