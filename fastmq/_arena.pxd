@@ -23,7 +23,7 @@ cdef class ArenaEnd:
     cdef readonly bint closed
     cdef readonly bint isolated            # readers map the slots copy-on-write
 
-    cdef int bind(self, Segment seg) except -1
+    cdef int bind(self, Segment seg, tuple geometry, uint64_t token, bint isolated) except -1
     cdef void advise_hugepages(self) noexcept
     @cython.final
     cdef char *line(self, int slot) noexcept nogil

@@ -115,23 +115,22 @@ cdef class ArenaEnd:
     def __cinit__(self):
         self.n_slots = 0
 
-    cdef int bind(self, Segment seg) except -1:
-        # The geometry is taken from the header, which the writer wrote and
-        # a reader has already checked against its handle.
+    cdef int bind(self, Segment seg, tuple geometry, uint64_t token, bint isolated) except -1:
+        # ``geometry`` is ``layout()``'s for the handle's sizes (n_reader,
+        # n_slots, stride, slot_bytes, flags_off, data_off, total), which the
+        # writer wrote and a reader found in the header.  Never read back
+        # from the header: any process that can write the segment could
+        # change a word between a reader's check and a second read, and
+        # these bound every slot index, offset and length a reader resolves.
         cdef char *b = <char *>seg.addr
         self.segment = seg
         self.name = seg.name
         self.base = b
-        self.n_reader = _u32(b, H_NREADER)[0]
-        self.n_slots = _u32(b, H_NSLOTS)[0]
-        self.stride = _u32(b, H_STRIDE)[0]
-        self.slot_bytes = _u64(b, H_SLOT_BYTES)[0]
-        self.flags_off = _u64(b, H_FLAGS_OFF)[0]
-        self.data_off = _u64(b, H_DATA_OFF)[0]
-        self.total_bytes = _u64(b, H_TOTAL)[0]
-        self.token = _u64(b, H_TOKEN)[0]
+        (self.n_reader, self.n_slots, self.stride, self.slot_bytes, self.flags_off,
+         self.data_off, self.total_bytes) = geometry
+        self.token = token
         self.data = b + self.data_off
-        self.isolated = _u32(b, H_READERS)[0] == READERS_ISOLATED
+        self.isolated = isolated
         return 0
 
     cdef void advise_hugepages(self) noexcept:

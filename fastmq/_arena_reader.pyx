@@ -172,7 +172,9 @@ cdef class ArenaReaderEnd(ArenaEnd):
             if got != want or st.st_size < total:
                 raise ArenaError("fastmq arena %r header %r does not match its handle %r "
                                  "(segment %d bytes)" % (name, got, want, st.st_size))
+            # Each word read once: what is checked is what is used.
             mode = _u32(b, H_READERS)[0]
+            token = _u64(b, H_TOKEN)[0]
             if mode == READERS_ISOLATED:
                 # Same file, same offsets, in place of the shared slots:
                 # header and flag lines stay shared.  NORESERVE: private
@@ -204,7 +206,7 @@ cdef class ArenaReaderEnd(ArenaEnd):
         finally:
             c_close(fd)
         cdef ArenaReaderEnd self = ArenaReaderEnd.__new__(ArenaReaderEnd)
-        self.bind(seg)
+        self.bind(seg, want, token, mode == READERS_ISOLATED)
         self.reader_rank = reader_rank
         if not self.isolated:
             self.advise_hugepages()

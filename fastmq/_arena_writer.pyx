@@ -116,12 +116,14 @@ cdef class ArenaWriterEnd(ArenaEnd):
         _u64(b, H_FLAGS_OFF)[0] = flags_off
         _u64(b, H_DATA_OFF)[0] = data_off
         _u64(b, H_TOTAL)[0] = total
-        _u64(b, H_TOKEN)[0] = int.from_bytes(secrets.token_bytes(8), "little")
+        token = int.from_bytes(secrets.token_bytes(8), "little")
+        _u64(b, H_TOKEN)[0] = token
         _u32(b, H_READERS)[0] = READERS_SHARED if shared_writes else READERS_ISOLATED
         # Magic last, released: an attacher that sees it sees the rest.
         fmq_store_u64_rel(_u64(b, H_MAGIC), C_MAGIC)
         cdef ArenaWriterEnd self = ArenaWriterEnd.__new__(ArenaWriterEnd)
-        self.bind(seg)
+        self.bind(seg, (n_reader, n_slots, stride, slot_bytes, flags_off, data_off, total),
+                  token, not shared_writes)
         self.advise_hugepages()
         self.min_bytes = max(1, min_bytes)
         self.copy_threads = max(1, copy_threads)

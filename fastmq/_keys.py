@@ -43,6 +43,8 @@ import os
 import secrets
 import types
 
+from fastmq import _seal
+
 logger = logging.getLogger("fastmq")
 
 KEY_BYTES = 32
@@ -130,10 +132,32 @@ def new_writer_trust(security: str) -> dict:
 
 
 def reader_psk(handle, security: str) -> bytes | None:
-    """The pre-shared key a remote reader of ``handle`` proves it holds."""
+    """The pre-shared key a remote reader of ``handle`` proves it holds.
+
+    A process that holds the deployment secret refuses a handle that does
+    not use it (plain TCP, or a key of its own in the handle): the secret
+    is there so that nothing a reader believes comes from the network, and
+    a handle changed on the way could otherwise point the reader at any
+    writer.  Plain TCP stays possible where this process asks for it too
+    (``FASTMQ_REMOTE_SECURITY=none``)."""
+    salt = getattr(handle, "remote_salt", None)
+    if (security == "none" or salt is None) and deployment_secret() is not None:
+        if security == "none":
+            if _seal.mode(None) != "none":
+                raise RuntimeError(
+                    f"fastmq: the queue's handle asks for plain, unauthenticated TCP (remote "
+                    f"security 'none'), but this process has a deployment secret "
+                    f"({SECRET_ENV}): a handle changed on its way could point this reader at "
+                    "any writer.  Set FASTMQ_REMOTE_SECURITY=none in this process too if "
+                    "plain TCP is meant")
+        else:
+            raise RuntimeError(
+                f"fastmq: this process has a deployment secret ({SECRET_ENV}), but the "
+                "queue's writer did not derive its key from one (the key travels in the "
+                "handle): a handle changed on its way could point this reader at any writer.  "
+                f"Set {SECRET_ENV} (or {SECRET_FILE_ENV}) in the writer's process too")
     if security == "none":
         return None
-    salt = getattr(handle, "remote_salt", None)
     if salt is None:
         key = getattr(handle, "remote_key", None)
         if key is None or len(key) != KEY_BYTES:

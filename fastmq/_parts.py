@@ -153,6 +153,15 @@ def read_head(ring, idx: int, length: int, total: int) -> tuple[int, list, list]
     return head, lens, kinds
 
 
+def short_of_memory(total: int) -> int | None:
+    """The bytes this host has available now, if fewer than a
+    ``total``-byte message needs; else None.  Asked before any page of it
+    is allocated: populating more than the host has would wake the OOM
+    killer rather than fail."""
+    avail = memory_available()
+    return avail if 0 <= avail < total else None
+
+
 class Assembly:
     """One reader's copy of a part stream in progress.  Kept by the reader
     across dequeue() calls: a timeout between parts resumes where it was."""
@@ -212,10 +221,8 @@ class Assembly:
 
     def _open(self, head: tuple, where: str) -> None:
         at, lens, kinds = head
-        # Asked before any page is allocated: populating more than the host
-        # has would wake the OOM killer rather than fail.
-        avail = memory_available()
-        if 0 <= avail < self.total:
+        avail = short_of_memory(self.total)
+        if avail is not None:
             raise MemoryError(f"fastmq: a {self.total}-byte message arrived in parts, more "
                               f"than this host has available now ({avail} bytes); it is "
                               "dropped for this reader")

@@ -360,8 +360,11 @@ class LocalReader(_ReaderEnd):
                             f"fastmq ring chunk {idx}: a message's parts start again before "
                             f"its part {asm.next_index}")
                     head = _parts.read_head(ring, idx, length, total)
-                    if until is None and len(head[1]) == 1:
-                        # The stream holds the chunk from here on.
+                    if until is None and len(head[1]) == 1 and \
+                            _parts.short_of_memory(total) is None:
+                        # The stream holds the chunk from here on.  (Short
+                        # of memory, the assembly refuses the message with a
+                        # MemoryError and passes over its parts.)
                         stream = _parts.PartStream(ring, idx, total, length, head[0],
                                                    head[1][0], self._next_part(indefinite),
                                                    self._keep_parts)

@@ -96,7 +96,7 @@ cdef class RingEnd:
     cdef inline uint64_t *claim_word(self, int rank) noexcept nogil:
         return <uint64_t *>(self.base + H_READER_SLOTS + READER_SLOT * rank)
 
-    cdef int bind(self, Segment seg) except -1
+    cdef int bind(self, Segment seg, tuple geometry, int wait_mode, int64_t spin_ns) except -1
     # The role's: whether chunk idx is this end's to take (free to write,
     # or published and unread), and a spin on that until a deadline.
     cdef bint turn(self, int idx) noexcept nogil

@@ -199,19 +199,20 @@ cdef class RingEnd:
         self.warn_interval = 60.0
         self.owner_pid = fmq_self_pid()
 
-    cdef int bind(self, Segment seg) except -1:
-        # The header was checked (attach) or written (create) by the role.
+    cdef int bind(self, Segment seg, tuple geometry, int wait_mode, int64_t spin_ns) except -1:
+        # ``geometry`` is ``layout()``'s for the handle's sizes (n_reader,
+        # max_chunk_bytes, max_chunks, stride, meta_off, data_off, total),
+        # which the role wrote (create) or found in the header (attach).
+        # Never read back from the header: any process that can write the
+        # segment could change a word between a reader's check and a
+        # second read, and these bound every later access.
         cdef char *b = <char *>seg.addr
         self.segment = seg
         self.base = b
-        self.n_reader = _u32(b, H_NREADER)[0]
-        self.max_chunk_bytes = _u64(b, H_CHUNK_BYTES)[0]
-        self.max_chunks = _u32(b, H_NCHUNKS)[0]
-        self.meta_stride = _u32(b, H_META_STRIDE)[0]
-        self.meta_off = _u64(b, H_META_OFF)[0]
-        self.data_off = _u64(b, H_DATA_OFF)[0]
-        self.wait_mode = _u32(b, H_WAIT_MODE)[0]
-        self.spin_ns = _u64(b, H_SPIN_NS)[0]
+        (self.n_reader, self.max_chunk_bytes, self.max_chunks, self.meta_stride,
+         self.meta_off, self.data_off, _) = geometry
+        self.wait_mode = wait_mode
+        self.spin_ns = spin_ns
         self.read_seq = _u32(b, H_READ_SEQ)
         self.readers_parked = _u32(b, H_READERS_PARKED)
         self.write_seq = _u32(b, H_WRITE_SEQ)

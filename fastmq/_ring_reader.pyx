@@ -84,11 +84,13 @@ cdef class RingReader(RingEnd):
                 % (seg.name, got, want, seg.size))
         if not (0 <= reader_rank < n_reader):
             raise ValueError("reader rank %d out of range for %d readers" % (reader_rank, n_reader))
+        # Each word read once: what is checked is what is used.
         mode = _u32(b, H_WAIT_MODE)[0]
         if mode > W_ZMQ:
             raise SegmentMismatchError("fastmq ring %r has unknown wait mode %d" % (seg.name, mode))
+        spin_ns = <int64_t>_u64(b, H_SPIN_NS)[0]
         cdef RingReader self = RingReader.__new__(RingReader)
-        self.bind(seg)
+        self.bind(seg, want, mode, spin_ns)
         self.reader_rank = reader_rank
         # The readers park together: one counter, one futex word.
         self.park_counter = self.readers_parked

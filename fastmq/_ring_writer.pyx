@@ -107,7 +107,8 @@ cdef class RingWriter(RingEnd):
         # The magic goes last, released: an attacher that sees it sees the rest.
         fmq_store_u64_rel(_u64(b, H_MAGIC), MAGIC)
         cdef RingWriter self = RingWriter.__new__(RingWriter)
-        self.bind(seg)
+        self.bind(seg, (n_reader, max_chunk_bytes, max_chunks, stride, meta_off, data_off, total),
+                  wait_mode, spin_ns)
         # The writer parks on its own word, counted alone.  In the ZMQ mode
         # it has no socket to park on: it spins with yields.
         self.park_counter = self.writer_parked

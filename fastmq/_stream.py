@@ -13,6 +13,7 @@ check fails the stream cannot be trusted again: every later call says so.
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import select
 import socket
@@ -334,24 +335,47 @@ class Stream:
     def _run(self, until: float | None):
         """``_drive`` the step in progress; what a failure leaves is the
         same for a message and for a segment of a streamed one."""
+        step = self._step
         try:
-            frames = self._drive(self._step, until, message=True)
-        except (TimeoutError, RuntimeError) as e:
-            if isinstance(e, TimeoutError) or str(e) == "cancelled":
-                raise   # the half-read message stays, to be resumed
-            # A failed check (CorruptChunkError, StreamBroken): for good.
-            self._step = None
-            self._failed = e
-            raise
+            frames = self._drive(step, until, message=True)
         except StreamEnded as e:
             self._step = None
             self.ended = e
             raise
-        except BaseException:     # (PeerGone: the connection closed; not a failed check)
+        except BaseException as e:
+            if inspect.getgeneratorstate(step) in (inspect.GEN_CREATED, inspect.GEN_SUSPENDED):
+                # Raised between receives (a deadline, cancel(), a signal
+                # handler's exception): the step stopped where it yields, and
+                # the half-read message stays, to be resumed.
+                raise
             self._step = None
+            if isinstance(e, PeerGone):
+                raise     # the connection closed: not a failed check
+            if not isinstance(e, (CorruptChunkError, StreamBroken)):
+                # Raised while bytes were being taken (a signal handler's
+                # exception, an error of memory): how much of the message
+                # the socket gave up is not known, so nothing after it can
+                # be told apart from what follows.
+                self._fail(StreamBroken(
+                    f"fastmq: remote reader: taking message {self.last_seq + 1} from "
+                    f"{self.address} was interrupted ({e!r}); the stream cannot be followed "
+                    "past it"))
+                raise
+            self._fail(e)
             raise
         self._step = None
         return frames
+
+    def _fail(self, error: BaseException) -> None:
+        """The stream cannot be trusted from here on: every later call
+        says so, and the connection is shut, so that the writer learns it
+        at once (it names this reader as gone) rather than waiting for
+        reads that will never come."""
+        self._failed = error
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _message(self, stream: bool = False):
         seal = self.seal
@@ -368,7 +392,7 @@ class Stream:
             yield from self._ensure(size + t)
             header = self._take(size)
             if t and not seal.check_header(counter, header, self._take(t)):
-                raise self._unauthentic(seq)
+                raise self._unauthentic()
             if t and counter <= self._counter:
                 raise StreamBroken(f"fastmq: remote reader: an end of the stream from "
                                    f"{self.address} repeats seal counter {counter} (a replay)")
@@ -390,7 +414,7 @@ class Stream:
             wire = self._take(size + total + t)
             body = seal.open_whole(counter, wire, size, total)
             if body is None:
-                raise self._unauthentic(seq)
+                raise self._unauthentic()
             self._check_counter(counter, seq)
             frames, off = [], 0
             for length in lengths:
@@ -400,7 +424,7 @@ class Stream:
         yield from self._ensure(size + t)
         header = self._take(size)
         if t and not seal.check_header(counter, header, self._take(t)):
-            raise self._unauthentic(seq)
+            raise self._unauthentic()
         if total > _wire.MAX_MESSAGE_BYTES:
             raise CorruptChunkError(f"fastmq: remote reader: a malformed message header: "
                                     f"message {seq} claims {total} bytes")
@@ -471,9 +495,14 @@ class Stream:
             return bytearray(length)
         return self.buffers.take(length)
 
-    def _unauthentic(self, seq: int) -> CorruptChunkError:
-        return CorruptChunkError(f"fastmq: remote reader: message {seq} from {self.address} "
-                                 "failed authentication (not sealed with this queue's key)")
+    def _unauthentic(self, seq: int | None = None) -> CorruptChunkError:
+        # ``seq`` once the message's header checked (a segment's tag); a
+        # header that did not check names whatever number its forger wrote,
+        # so the message after the last one taken is named instead.
+        which = (f"message {seq}" if seq is not None
+                 else f"the message after message {self.last_seq}")
+        return CorruptChunkError(f"fastmq: remote reader: {which} from {self.address} failed "
+                                 "authentication (not sealed with this queue's key)")
 
     def _check_counter(self, counter: int, seq: int) -> None:
         """A checked header's seal counter must rise (no replay) and its
@@ -484,8 +513,8 @@ class Stream:
                                f"repeats seal counter {counter} (a replay)")
         if seq != self.last_seq + 1:
             raise StreamBroken(
-                f"fastmq: this remote reader expected message {self.last_seq + 1} but "
-                f"received {seq}: a remote reader cannot rejoin a running queue")
+                f"fastmq: remote reader: expected message {self.last_seq + 1} from "
+                f"{self.address} but received message {seq}: messages were dropped on the way")
         self._counter, self.last_seq = counter, seq
 
     def close(self, linger=None) -> None:

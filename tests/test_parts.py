@@ -604,3 +604,28 @@ def test_a_step_with_a_large_in_band_payload_faults_no_fresh_page_once_warm():
     # ones gave back once glibc raised its mmap threshold: none.)
     assert faults < 8 * 256 // 2, faults
     assert w.stats()["ring_messages"] == 12
+
+
+def test_a_reader_without_a_deadline_refuses_parts_larger_than_the_host_has(monkeypatch):
+    # A reader waiting without a deadline (vLLM's workers) unpickles a
+    # message of one pickle stream straight out of its parts; asked first
+    # whether the host has the memory, as an assembled one is, it refuses
+    # with a MemoryError rather than populating what was claimed (the OOM
+    # killer's business), and the next message still arrives.
+    from fastmq import _parts
+    w, (r,) = local_pair(max_chunk_bytes=1 << 20, max_chunks=4,
+                         enable_shm_tensor_arena=False)
+    big = list(range(1_000_000))                 # about 5 MB of pickle, no buffers
+    monkeypatch.setattr(_parts, "memory_available", lambda: 1 << 20)
+    sender = threading.Thread(target=lambda: (w.enqueue(big, timeout=30),
+                                              w.enqueue("next", timeout=30)))
+    sender.start()
+    try:
+        with pytest.raises(MemoryError, match="more than this host has available"):
+            r.dequeue()
+        monkeypatch.undo()
+        assert r.dequeue() == "next"
+    finally:
+        sender.join(30)
+        r.shutdown()
+        w.shutdown()

@@ -92,6 +92,31 @@ def test_with_a_deployment_secret_the_handle_holds_no_key(monkeypatch):
     assert r.dequeue(timeout=10) == {"step": 1}
 
 
+@pytest.mark.parametrize("security", ["mac", "none"])
+def test_a_reader_with_the_secret_refuses_a_handle_that_does_not_use_it(monkeypatch, security):
+    # The setup channel is not trusted: a handle changed on it could point
+    # a reader at someone else's writer, with a key of its own in the handle
+    # or plain TCP.  A reader that holds the deployment secret refuses both.
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)   # no secret here
+    blob = pickle.dumps(w.export_handle())
+    monkeypatch.setenv(_keys.SECRET_ENV, SECRET)
+    try:
+        match = ("asks for plain, unauthenticated TCP" if security == "none"
+                 else "did not derive its key from one")
+        with pytest.raises(RuntimeError, match=match):
+            MessageQueue.create_from_handle(pickle.loads(blob), 0)
+        if security == "none":
+            # Plain TCP stays possible where this process asks for it too.
+            monkeypatch.setenv("FASTMQ_REMOTE_SECURITY", "none")
+            r = MessageQueue.create_from_handle(pickle.loads(blob), 0)
+            _ready(w, [r])
+            w.enqueue("plain")
+            assert r.dequeue(timeout=10) == "plain"
+            r.shutdown()
+    finally:
+        w.shutdown()
+
+
 def test_the_secret_from_a_file_and_what_is_refused(monkeypatch, tmp_path):
     path = tmp_path / "secret"
     path.write_bytes(SECRET.encode() + b"\n")

@@ -1,0 +1,150 @@
+"""A remote reader interrupted or refusing: after a failed check the
+writer is told at once (not left blocked on a reader that reads no more);
+an exception from a signal handler between receives leaves the message
+to be resumed; and errors name what happened (a dropped message, a
+forged header) in terms the reader knows to be true."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from fastmq import MessageQueue, ReaderGoneError
+from fastmq._ring import CorruptChunkError
+
+from _relay import Relay
+
+
+def _through(tamper, security="mac"):
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
+    m = Relay(w.export_handle(), tamper)
+    r = MessageQueue.create_from_handle(m.handle, 0)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    r.wait_until_ready()
+    t.join(10)
+    assert not t.is_alive()
+    return w, r, m
+
+
+def _close(w, r, m):
+    m.close()
+    r.shutdown()
+    w.shutdown()
+
+
+def test_a_reader_that_refused_a_forgery_hangs_up_and_the_writer_names_it():
+    flipped = []
+
+    def flip_first(data):
+        if not flipped:
+            flipped.append(1)
+            return data[:-1] + bytes([data[-1] ^ 1])
+        return data
+
+    w, r, m = _through(flip_first)
+    try:
+        w.enqueue("pay 10")
+        with pytest.raises(CorruptChunkError, match="failed authentication"):
+            r.dequeue(timeout=10)
+        # vLLM's enqueue() has no deadline: were the reader to keep its
+        # connection open and read no more, the writer would block for
+        # good once the sockets filled, and report nothing.
+        errors = []
+
+        def send():
+            try:
+                for _ in range(64):
+                    w.enqueue(b"x" * (4 << 20))
+            except RuntimeError as e:
+                errors.append(e)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        sender.join(30)
+        assert not sender.is_alive(), "the writer blocked on a reader that stopped reading"
+        assert errors and isinstance(errors[0], ReaderGoneError), errors
+    finally:
+        _close(w, r, m)
+
+
+class _Alarm(Exception):
+    pass
+
+
+def test_a_signal_handlers_exception_between_receives_leaves_the_message_to_resume():
+    # The second half of a 3 MB message comes a second late; the handler
+    # raises while the reader waits for it.  Both messages still arrive,
+    # whole and in order (the writer's enqueue() returned for both).
+    late = []
+
+    def slow_second_half(data):
+        late.append(len(data))
+        if sum(late) > 1_500_000 and len(late) < 10_000 and not hasattr(slow_second_half, "slept"):
+            slow_second_half.slept = True
+            time.sleep(1.0)
+        return data
+
+    def on_alarm(signum, frame):
+        raise _Alarm()
+
+    w, r, m = _through(slow_second_half)
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        big = b"A" * 3_000_000
+        sender = threading.Thread(target=lambda: (w.enqueue(big), w.enqueue("second")),
+                                  daemon=True)
+        sender.start()
+        signal.setitimer(signal.ITIMER_REAL, 0.4)
+        with pytest.raises(_Alarm):
+            r.dequeue(timeout=10)
+        assert r.dequeue(timeout=10) == big
+        assert r.dequeue(timeout=10) == "second"
+        sender.join(10)
+        assert not sender.is_alive()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        _close(w, r, m)
+
+
+def test_a_dropped_message_is_named_as_dropped():
+    # The relay drops the second message whole (it travels in one piece).
+    count = []
+
+    def drop_second(data):
+        count.append(1)
+        return b"" if len(count) == 2 else data
+
+    w, r, m = _through(drop_second)
+    try:
+        w.enqueue("one")
+        assert r.dequeue(timeout=10) == "one"
+        w.enqueue("two")
+        time.sleep(0.2)      # so that "two" and "three" cross the relay apart
+        w.enqueue("three")
+        with pytest.raises(RuntimeError, match="expected message 2 .* but received message 3: "
+                                               "messages were dropped on the way"):
+            r.dequeue(timeout=10)
+    finally:
+        _close(w, r, m)
+
+
+def test_a_forged_header_is_not_taken_at_its_word():
+    # A header that fails its check is named by what the reader knows
+    # (the message after the last one taken), not by the number it claims.
+    def forge_seq(data):
+        # HEAD: kind (4 bytes), seal counter (u64), sequence number (u64), ...
+        return data[:12] + (2130706433).to_bytes(8, "little") + data[20:]
+
+    w, r, m = _through(forge_seq)
+    try:
+        w.enqueue("one")
+        with pytest.raises(CorruptChunkError) as e:
+            r.dequeue(timeout=10)
+        assert "the message after message 0" in str(e.value)
+        assert "2130706433" not in str(e.value)
+    finally:
+        _close(w, r, m)
