@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import select
 import socket
 import sys
@@ -82,6 +83,9 @@ class Fanout:
     CLOSE_GRACE_S = 2.0
 
     def __init__(self, connect_ip: str, ipv6: bool, security: str, psk: bytes | None):
+        # The connections are this process's: a forked child that inherits
+        # them only lets its copies go (see close).
+        self._pid = os.getpid()
         self.psk = psk
         self.mode_code = _wire.MODE_CODES[security]
         # The message key: random per queue, handed to each reader under
@@ -558,7 +562,14 @@ class Fanout:
         """Close every socket, after the end of the stream.  What
         ``sendmsg`` took is the kernel's: it is still delivered (and then
         the connection closed) after this.  The rest of a message that the
-        drain thread is still sending gets a short grace first."""
+        drain thread is still sending gets a short grace first.
+
+        In a forked child (its queue dropped, or the child exiting) only the
+        child's copies of the descriptors are closed: the end of the stream,
+        or any byte, sent from here would land in the parent's stream."""
+        if os.getpid() != self._pid:
+            self._close_sockets()
+            return
         t = self._drainer
         if t is not None and t.is_alive():
             t.join(self.CLOSE_GRACE_S)
@@ -571,6 +582,9 @@ class Fanout:
         elif self.listener is None and not sys.is_finalizing():
             self.end_stream(0.5)
         self._closing.set()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         for s in ([self.listener] if self.listener is not None else []) + \
                 [j.sock for j in self._joining] + [r.sock for r in self.readers]:
             try:

@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from fastmq import (_config, _keys, _net, _overflow, _parts, _piecewise, _proc, _seal,
-                    _stream, _subscribers, _wire)
+                    _stream, _subscribers, _wire, segments)
 from fastmq._gone import WriterGoneError
 from fastmq._recv_buffers import BufferPool
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PARTS, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
@@ -183,6 +183,11 @@ class LocalReader(_ReaderEnd):
 
     def wait_until_ready(self) -> None:
         self._receive_handshake(self.local_socket)
+
+    def disown(self) -> None:
+        """In a forked child: close the child's copies of the segments'
+        descriptors (see ``QueueWriter.disown``)."""
+        segments.drop_inherited(self.buffer, self.tensor_arena)
 
     def shutdown(self) -> None:
         self.shutting_down = True
@@ -459,6 +464,15 @@ class RemoteReader:
         # populating fresh pages is a large share of a first large
         # message's time.
         self.stream.buffers.warm(self._warm_bytes)
+
+    def disown(self) -> None:
+        """In a forked child: close the child's copy of the connection
+        (never shut it down: that would end the parent's), so that the
+        writer learns at once when this reader's process died."""
+        try:
+            self.stream.sock.close()
+        except OSError:
+            pass
 
     def shutdown(self) -> None:
         self.shutting_down = True

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import zmq
 
 from fastmq import (_config, _fanout, _keys, _net, _overflow, _parts, _seal, _subscribers,
-                    _wire)
+                    _wire, segments)
 from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY,
                           WAIT_ZMQ)
 from fastmq._gone import ReaderGoneError
@@ -257,6 +257,17 @@ class QueueWriter:
                 poller.register(sock, zmq.POLLIN)
             poller.poll(_overflow.RECV_SLICE_MS)
 
+    def disown(self) -> None:
+        """In a forked child that inherited this end (see
+        ``fastmq.queue``): let go of the child's copies of its descriptors,
+        the remote listener and connections and the segments', so that
+        they live as long as this end's own process: a remote reader learns
+        at once that its writer died, and a closed listener accepts no
+        more.  Nothing is sent and nothing shared is changed."""
+        if self.fanout is not None:
+            self.fanout.close()       # in another process: the descriptors only
+        segments.drop_inherited(self.buffer, self.tensor_arena)
+
     def shutdown(self) -> None:
         """An enqueue() on another thread either completes (its message is
         delivered before readers see the queue closed) or raises.  Called
@@ -374,12 +385,13 @@ class QueueWriter:
         message is committed (some byte of it reached a reader's socket)
         says so in a note: the message is delivered to every reader."""
         fanout = self.fanout
-        seq = None
-        try:
-            with self._send_lock:
-                # Taken under the lock: another thread's enqueue() may have
-                # used the one before.
-                seq = fanout.next_seq
+        with self._send_lock:
+            # Taken under the lock: another thread's enqueue() may have used
+            # the one before.  Whether this call's message was committed is
+            # asked under it too: once it is released, the next message may
+            # take the same number (this one never used it) and commit.
+            seq = fanout.next_seq
+            try:
                 try:
                     if self.shutting_down:
                         raise RuntimeError("cancelled")
@@ -402,10 +414,10 @@ class QueueWriter:
                     if self._close_pending:
                         # shutdown() ran in a signal handler during this call.
                         self._close_ring()
-        except BaseException as e:
-            if fanout.committed(seq) and not _noted(e):
-                e.add_note(_COMMITTED_NOTE)
-            raise
+            except BaseException as e:
+                if fanout.committed(seq) and not _noted(e):
+                    e.add_note(_COMMITTED_NOTE)
+                raise
 
     def _send_local_slow(self, obj: Any, framed: int, timeout: float | None) -> None:
         """What ``ring.send_object`` left to do, with nothing published yet:
@@ -558,6 +570,11 @@ class QueueWriter:
                 self._wait_flushed(tracker, until, "a local reader's socket")
             message = fanout.begin(buffers)
             fanout.push(until, cancellable=True, until_commit=True)
+            if not fanout.written_any:
+                # Every remote reader's connection broke before the first
+                # byte: nothing is committed, so the local readers must not
+                # get it either.
+                raise fanout.broken_error()
             # Committed: the remote readers are getting the message.  The
             # ring must take it too, whatever happens now: the publish
             # neither waits nor heeds cancel(), a shutdown() from a signal

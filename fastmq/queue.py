@@ -35,6 +35,13 @@ def _disown_after_fork() -> None:
     parent = os.getppid()
     for q in list(_live_queues):
         q._forked_from = parent
+        end = getattr(q, "_end", None)
+        if end is not None:
+            try:
+                end.disown()
+            except Exception as e:    # at fork: never raise into the child's start
+                logger.debug("fastmq: a forked child could not let go of a queue's "
+                             "descriptors: %r", e)
 
 
 os.register_at_fork(after_in_child=_disown_after_fork)
@@ -233,6 +240,8 @@ class MessageQueue:
 
         The writer waits for every reader's subscription, then sends READY
         on each channel so that no later message can be missed."""
+        if self._forked_from is not None:
+            raise self._forked()
         self._end.wait_until_ready()
 
     def shutdown(self) -> None:
@@ -303,6 +312,8 @@ class MessageQueue:
         slot, so enqueueing it copies nothing (the readers view the same
         memory: do not modify it after enqueueing until they are done with
         it); otherwise it is an ordinary ``torch.empty`` tensor."""
+        if self._forked_from is not None:
+            raise self._forked()
         if self._end.is_writer:
             return self._end.empty_tensor(shape, dtype)
         import torch

@@ -52,3 +52,14 @@ def create_segment(kind: str, size: int) -> Segment:
     """A new segment of ``size`` bytes, which other processes of this host
     attach with its ``locator``."""
     return Segment.create(new_segment_name(kind), size)
+
+
+def drop_inherited(ring_buffer, arena) -> None:
+    """In a forked child that inherited a queue end: close the child's
+    copies of the end's segment descriptors (the ring's, the arena's),
+    keeping the mappings.  The child cannot use the end; its copies would
+    only keep the memory attachable for as long as it runs."""
+    for seg in (getattr(ring_buffer, "segment", None),
+                getattr(getattr(arena, "core", None), "segment", None)):
+        if seg is not None:
+            seg.drop_descriptor()

@@ -1,11 +1,18 @@
-"""A remote reader interrupted or refusing: after a failed check the
-writer is told at once (not left blocked on a reader that reads no more);
-an exception from a signal handler between receives leaves the message
-to be resumed; and errors name what happened (a dropped message, a
-forged header) in terms the reader knows to be true."""
+"""Remote readers interrupted, refusing or gone, and what each end then
+says: after a failed check the writer is told at once (not left blocked on
+a reader that reads no more); an exception from a signal handler between
+receives leaves the message to be resumed; a message that no remote
+reader took is not handed to the local ones; a forked child that drops
+the writer's queue leaves the parent's connections alone; and errors name
+what happened (a dropped message, a forged header, whether a message was
+committed) in terms that are true."""
 from __future__ import annotations
 
+import gc
+import os
 import signal
+import socket
+import struct
 import threading
 import time
 
@@ -14,6 +21,7 @@ import pytest
 from fastmq import MessageQueue, ReaderGoneError
 from fastmq._ring import CorruptChunkError
 
+from _queues import local_pair
 from _relay import Relay
 
 
@@ -148,3 +156,93 @@ def test_a_forged_header_is_not_taken_at_its_word():
         assert "2130706433" not in str(e.value)
     finally:
         _close(w, r, m)
+
+
+def test_a_message_no_remote_reader_took_is_not_published_to_the_local_ones():
+    # The remote reader's connection resets (a reader killed with unread
+    # data) after the writer's last check and before the message's first
+    # byte: nothing is committed, enqueue() raises without the committed
+    # note, and the local reader does not get the message either.
+    w, (local, remote) = local_pair(1, 1, remote_security="none")
+    fanout = w._end.fanout
+    checked = fanout.check_readers
+
+    def check_then_reset():
+        checked()
+        sock = remote._end.stream.sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+        time.sleep(0.2)
+
+    fanout.check_readers = check_then_reset
+    try:
+        with pytest.raises(ReaderGoneError) as e:
+            w.enqueue("to nobody", timeout=5)
+        assert not getattr(e.value, "__notes__", None)
+        with pytest.raises(TimeoutError):
+            local.dequeue(timeout=0.5)
+    finally:
+        fanout.check_readers = checked
+        for q in (local, remote, w):
+            q.shutdown()
+
+
+def test_a_forked_child_dropping_the_writer_leaves_its_remote_readers_alone():
+    # The child's copy of the queue is dropped (and the child leaves): no
+    # end of the stream, nor any byte, goes from it into the parent's
+    # connections, and the remote reader gets the parent's next message.
+    w, (remote,) = local_pair(0, 1)
+    w.enqueue("before", timeout=10)
+    assert remote.dequeue(timeout=10) == "before"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            del w, remote
+            gc.collect()
+        finally:
+            os._exit(0)
+    try:
+        os.waitpid(pid, 0)
+        w.enqueue("after", timeout=10)
+        assert remote.dequeue(timeout=10) == "after"
+    finally:
+        remote.shutdown()
+        w.shutdown()
+
+
+def test_a_failed_enqueue_is_not_called_committed_because_of_the_next_one():
+    # Thread A's message cannot be pickled: nothing of it is sent.  Thread
+    # B's next message takes the number A never used; if A asked whether
+    # its message was committed after letting go of the send lock, B's
+    # first byte would make A's exception say "committed" (and its caller
+    # not retry a message nobody got).
+    w, (remote,) = local_pair(0, 1, remote_security="none")
+    fanout = w._end.fanout
+    asked = fanout.committed
+
+    def committed(seq):
+        if threading.current_thread().name == "A":
+            time.sleep(0.3)         # a thread switch here lets B go first
+        return asked(seq)
+
+    fanout.committed = committed
+    notes = []
+
+    def a():
+        try:
+            w.enqueue(lambda: None)
+        except Exception as e:
+            notes.append(getattr(e, "__notes__", None))
+
+    try:
+        ta = threading.Thread(target=a, name="A")
+        ta.start()
+        time.sleep(0.1)
+        w.enqueue("B's message", timeout=10)
+        ta.join(10)
+        assert notes == [None]
+        assert remote.dequeue(timeout=10) == "B's message"
+    finally:
+        fanout.committed = asked
+        remote.shutdown()
+        w.shutdown()
