@@ -25,7 +25,7 @@ cdef enum:
     H_TOKEN = 56        # u64 random: ties descriptors to this arena
     H_READERS = 64      # u32 READERS_ISOLATED / READERS_SHARED
     HEADER = 4096
-    F_EPOCH = 0         # u64 per-slot publication count
+    F_EPOCH = 0         # u64 the slot's publication's number (arena-wide, rising)
     F_WRITTEN = 8       # u8
     F_DONE = 9          # u8 x n_reader
     D_MAGIC = 0         # descriptor: u64

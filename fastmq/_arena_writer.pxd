@@ -11,6 +11,7 @@ cdef class ArenaWriterEnd(ArenaEnd):
     cdef int *reserved                     # live writer SlotBuffers per slot
     cdef uint8_t *in_message               # published by the message being encoded
     cdef int n_in_message
+    cdef uint64_t epochs                   # the last publication's number, arena-wide
     cdef object skip_buffer
     cdef bint warm_unused                  # warm_first's pages wait for the first buffer
     cdef bint logged_oversize

@@ -279,7 +279,12 @@ cdef class ArenaWriterEnd(ArenaEnd):
     cdef uint64_t publish(self, int slot) noexcept nogil:
         cdef char *ln = self.line(slot)
         cdef int r
-        cdef uint64_t epoch = _u64(ln, F_EPOCH)[0] + 1   # only the writer stores it
+        # Numbered across the arena, not per slot: a descriptor whose slot
+        # was changed to another slot's then names a publication that slot
+        # never had, and is refused as stale (per slot, two slots used
+        # equally often would be at the same number).
+        self.epochs += 1
+        cdef uint64_t epoch = self.epochs
         for r in range(self.n_reader):
             fmq_store_u8_rel(<uint8_t *>(ln + F_DONE + r), 0)
         fmq_store_u64_rel(_u64(ln, F_EPOCH), epoch)
@@ -306,17 +311,19 @@ cdef class ArenaWriterEnd(ArenaEnd):
         cdef size_t cold_from = warm if warm < <uint64_t>nbytes else nbytes
         cdef int err, used = 1, threads = self.copy_threads
         cdef size_t min_part = self.copy_min_part
+        # Taken at once, before anything that may release the GIL (the
+        # memory check reads /proc, then the copy), so that empty_tensor()
+        # on another thread cannot claim this slot meanwhile.
+        self.in_message[slot] = 1
         if cold_from < <size_t>nbytes and (
                 self.pages.memory_short(slot, nbytes - cold_from)
                 or (not fmq_have_populate()
                     and self.pages.reserve(slot, cold_from, nbytes - cold_from) != 0)):
+            self.in_message[slot] = 0
             return None           # no memory for it: the buffer takes the socket path
         # written = 0 while the bytes change: a stale descriptor for this
         # slot is refused by readers from here on.
         fmq_store_u8_rel(<uint8_t *>(self.line(slot) + F_WRITTEN), 0)
-        # Taken before the GIL is released for the copy, so that
-        # empty_tensor() on another thread cannot claim this slot meanwhile.
-        self.in_message[slot] = 1
         with nogil:
             err = fmq_parallel_copy(dst, src, nbytes, cold_from, threads, min_part, &used)
         if err:

@@ -1132,3 +1132,58 @@ def test_in_place_writes_across_reader_processes(procs, spawn_ctx, mode):
     w.enqueue("bye")
     procs.join_all()
 
+
+
+def test_a_descriptor_moved_to_another_slot_is_refused():
+    # Two slots published as often as each other: a descriptor whose slot
+    # number was changed to the other's must not pass for it (wrong bytes
+    # handed out, one slot held for good, the other released while held).
+    w, (r,) = _pair(slots=4, slot_mb=1)
+    try:
+        n = MiB // 4
+        bufs = w._end.encoder.encode([torch.full((n,), 1.0), torch.full((n,), 2.0)])
+        w.tensor_arena.commit()
+        moved = bytearray(bufs[1])
+        assert struct.unpack_from("<I", moved, 16)[0] == 0
+        struct.pack_into("<I", moved, 16, 1)           # D_SLOT: slot 0 -> slot 1
+        w._ring.send([bufs[0], bytes(moved), bufs[2]])
+        with pytest.raises(A.ArenaError, match="stale"):
+            r.dequeue(timeout=10)
+        r.tensor_arena.flush_releases()
+        # The queue goes on, and the slots come back.
+        w.enqueue(torch.full((n,), 3.0), timeout=10)
+        assert torch.all(r.dequeue(timeout=10) == 3.0)
+    finally:
+        r.shutdown()
+        w.shutdown()
+
+
+def test_empty_tensor_cannot_take_the_slot_an_enqueue_is_copying_into(monkeypatch):
+    # The copy's memory check reads /proc (the GIL is let go there): an
+    # empty_tensor() on another thread meanwhile must not get that slot,
+    # or filling it would change what the reader holds.
+    from fastmq import _arena_pages
+    w, (r,) = _pair(slots=2, slot_mb=2, arena_prefault="off")
+    real = _arena_pages.memory_available
+
+    def slow():
+        value = real()
+        time.sleep(0.3)          # widens the window the /proc reads open
+        return value
+
+    monkeypatch.setattr(_arena_pages, "memory_available", slow)
+    try:
+        n = MiB // 4
+        sender = threading.Thread(target=w.enqueue, args=(torch.full((n,), 1.0),))
+        sender.start()
+        time.sleep(0.1)
+        fresh = w.empty_tensor((n,), torch.float32)
+        sender.join(10)
+        monkeypatch.setattr(_arena_pages, "memory_available", real)
+        got = r.dequeue(timeout=10)
+        fresh.fill_(9.0)
+        assert torch.all(got == 1.0)
+        del got, fresh
+    finally:
+        r.shutdown()
+        w.shutdown()
