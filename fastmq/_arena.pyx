@@ -48,6 +48,7 @@ a slot is free for the writer when ``written == 0`` or every ``done == 1``
 """
 cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport uint8_t, uint64_t, uintptr_t
 
 from fastmq._native.atomic cimport fmq_load_u8_acq, fmq_load_u64_acq
@@ -89,7 +90,13 @@ def layout(int n_reader, int n_slots, Py_ssize_t slot_bytes):
                          % (PAGE, slot_bytes))
     stride = _align(F_DONE + n_reader, 64)
     data_off = _align(HEADER + stride * n_slots, DATA_ALIGN)
-    return stride, HEADER, data_off, data_off + slot_bytes * n_slots
+    # In Python's integers: a C product of huge sizes wraps, and an arena
+    # whose size wrapped small would be written past its end.
+    total = data_off + (<object>slot_bytes) * n_slots
+    if total > PY_SSIZE_T_MAX:
+        raise ValueError("an arena of %d slots of %d bytes (%d bytes) is larger than a "
+                         "process can map" % (n_slots, slot_bytes, total))
+    return stride, HEADER, data_off, total
 
 
 def is_descriptor(obj):

@@ -441,6 +441,7 @@ class RemoteReader:
             raise ValueError(f"fastmq: the handle's remote security mode {security!r} is "
                              f"not one of {', '.join(_seal.MODES)}")
         psk = _keys.reader_psk(handle, security)
+        self._ready = False    # wait_until_ready() returned
         self.remote_socket = self.stream = _stream.Stream(
             handle.remote_subscribe_addr, handle.remote_addr_ipv6, security, psk, rank,
             keep_bytes=_config.remote_buffers_bytes(),
@@ -460,6 +461,7 @@ class RemoteReader:
                 f"{self.handle.remote_subscribe_addr} is vLLM's own MessageQueue (it speaks "
                 "ZMQ): fastmq is not active in the writer's process. Activate fastmq in "
                 "every process of the deployment or in none.") from None
+        self._ready = True
         # Here, not in the first dequeue: where readers share a core,
         # populating fresh pages is a large share of a first large
         # message's time.
@@ -488,6 +490,11 @@ class RemoteReader:
 
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
         stream = self.stream
+        if not self._ready:
+            # Before the handshake the stream holds the writer's challenge,
+            # not messages: reading it as one would break the stream for good.
+            raise RuntimeError("fastmq: a remote reader receives nothing before its "
+                               "wait_until_ready() returned; call it first")
         until = _overflow.deadline(timeout)
         try:
             # Without a deadline a large message of one frame is unpickled

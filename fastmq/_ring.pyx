@@ -68,6 +68,7 @@ publish, so no wakeup is lost; a busy pipeline (nobody parked) pays no
 syscall.  Parked waiters also wake every PARK_SLICE as a safety net.
 """
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from libc.stdint cimport INT64_MAX, uint8_t, uint32_t, uint64_t, int64_t
 
 from fastmq._native.atomic cimport (
@@ -173,7 +174,12 @@ def layout(int n_reader, Py_ssize_t max_chunk_bytes, int max_chunks):
     # fit: a small ring's bookkeeping is one page, as vLLM's is.
     meta_off = _align(H_READER_SLOTS + READER_SLOT * n_reader, 64)
     data_off = _align(meta_off + stride * max_chunks, 4096)
-    total = data_off + max_chunk_bytes * max_chunks
+    # In Python's integers: a C product of huge sizes wraps, and a ring
+    # whose size wrapped small could never take a message.
+    total = data_off + (<object>max_chunk_bytes) * max_chunks
+    if total > PY_SSIZE_T_MAX:
+        raise ValueError("a ring of %d chunks of %d bytes (%d bytes) is larger than a "
+                         "process can map" % (max_chunks, max_chunk_bytes, total))
     return stride, meta_off, data_off, total
 
 

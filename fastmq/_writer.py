@@ -357,6 +357,8 @@ class QueueWriter:
     def enqueue(self, obj: Any, timeout: float | None) -> None:
         if self.n_remote_reader:
             return self._enqueue_remote(obj, timeout)
+        if self.ring is None:
+            return    # no reader at all (a group of one): delivered to every one, as vLLM's
         with self._send_lock:
             try:
                 if self.shutting_down:

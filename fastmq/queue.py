@@ -31,6 +31,13 @@ logger = logging.getLogger("fastmq")
 _live_queues: "weakref.WeakSet[MessageQueue]" = weakref.WeakSet()
 
 
+def _nan_timeout(timeout) -> ValueError:
+    # NaN: no deadline comparison is ever true of it, so the call would
+    # never time out.  (Checked inline by the callers: a message's calls
+    # stay the facade's and the role's.)
+    return ValueError(f"fastmq: timeout={timeout!r} is not a number of seconds")
+
+
 def _disown_after_fork() -> None:
     parent = os.getppid()
     for q in list(_live_queues):
@@ -271,6 +278,8 @@ class MessageQueue:
         end = self._end
         if not end.is_writer:
             raise RuntimeError("Only writers can enqueue")
+        if timeout is not None and timeout != timeout:
+            raise _nan_timeout(timeout)
         end.enqueue(obj, timeout)
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
@@ -282,6 +291,8 @@ class MessageQueue:
         end = self._end
         if end.is_writer:
             raise RuntimeError("Only readers can dequeue")
+        if timeout is not None and timeout != timeout:
+            raise _nan_timeout(timeout)
         try:
             return end.dequeue(timeout, indefinite)
         except WriterGoneError as e:
