@@ -451,8 +451,13 @@ class Fanout:
         After it, the message is committed: ``cancel()`` no longer stops
         it, and ``until`` returns False (the caller then has what is left
         copied and sent in the background, ``keep_rest``).  A reader whose
-        connection breaks is dropped (``broken`` says which)."""
-        return self._push(until, self.cancelled if cancellable else None, True, until_commit)
+        connection breaks is dropped (``broken`` says which); if every
+        reader's broke before the first byte, nothing is committed, and
+        ``until_commit`` raises ``broken_error()``."""
+        done = self._push(until, self.cancelled if cancellable else None, True, until_commit)
+        if until_commit and not self.written_any:
+            raise self.broken_error()
+        return done
 
     def _push(self, until: float | None, stop, committing: bool,
               until_commit: bool = False) -> bool:

@@ -236,7 +236,7 @@ def _on_the_way_out(e: BaseException) -> bool:
         tb = tb.tb_next
     code = frames[-2]      # (the last is the tracer's, which raised it)
     return code.co_name in ("enqueue", "_enqueue_remote") and \
-        os.path.basename(code.co_filename) in ("queue.py", "_writer.py")
+        os.path.basename(code.co_filename) in ("queue.py", "_writer.py", "_writer_remote.py")
 
 
 def _committed(e: BaseException) -> bool:
