@@ -488,13 +488,24 @@ class RemoteReader:
         pid = getattr(self.handle, "writer_pid", None)
         return f"the writer{f' (pid {pid})' if pid else ''} at {self.handle.remote_subscribe_addr}"
 
+    def _before_handshake(self, timeout: float | None):
+        """``dequeue()`` before ``wait_until_ready()`` returned: the stream
+        holds the writer's challenge, not messages (reading it as one would
+        break the stream for good).  As vLLM's queue does, no message comes:
+        ``TimeoutError`` once ``timeout`` passed (``shutdown()`` ends the
+        wait); without a timeout, which would never end, a RuntimeError."""
+        if timeout is None:
+            raise RuntimeError("fastmq: a remote reader receives nothing before its "
+                               "wait_until_ready() returned; call it first")
+        if self.stream.cancelled.wait(max(timeout, 0.0)):
+            raise RuntimeError("cancelled")
+        raise TimeoutError("fastmq: no message: this remote reader's wait_until_ready() "
+                           "has not returned")
+
     def dequeue(self, timeout: float | None, indefinite: bool) -> Any:
         stream = self.stream
         if not self._ready:
-            # Before the handshake the stream holds the writer's challenge,
-            # not messages: reading it as one would break the stream for good.
-            raise RuntimeError("fastmq: a remote reader receives nothing before its "
-                               "wait_until_ready() returned; call it first")
+            return self._before_handshake(timeout)
         until = _overflow.deadline(timeout)
         try:
             # Without a deadline a large message of one frame is unpickled

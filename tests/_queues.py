@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import threading
 import time
 
@@ -46,6 +47,7 @@ def refused_in_fork_child(calls) -> bool:
     if pid == 0:
         code = 1
         try:
+            signal.alarm(20)      # a call that hangs ends the child: not refused
             refused = []
             for call in calls:
                 try:

@@ -11,6 +11,23 @@ import threading
 from fastmq import _seal, _wire
 
 
+def through_relay(tamper, security="mac"):
+    """A writer and one remote reader with a ``Relay`` between them that
+    hands each chunk of the writer's bytes after the handshake to
+    ``tamper``, handshaken: ``(writer, reader, relay)``."""
+    from fastmq import MessageQueue
+
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
+    m = Relay(w.export_handle(), tamper)
+    r = MessageQueue.create_from_handle(m.handle, 0)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    r.wait_until_ready()
+    t.join(10)
+    assert not t.is_alive(), "writer handshake did not finish"
+    return w, r, m
+
+
 class Relay:
     """Listens where the reader is told the writer is; relays to the
     writer's real address.  ``on_writer_bytes(data) -> data`` sees the

@@ -18,42 +18,14 @@ import torch
 
 from fastmq import MessageQueue, WriterGoneError
 
-from _queues import local_pair
-
-
-def _child_refuses(calls) -> list:
-    """Each of ``calls`` in a forked child (an alarm ends a call that
-    hangs): what each did, "fork" for the fork RuntimeError."""
-    r, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        out = []
-        try:
-            signal.alarm(20)
-            for call in calls:
-                try:
-                    call()
-                    out.append("returned")
-                except RuntimeError as e:
-                    out.append("fork" if "fork" in str(e) else repr(e))
-        finally:
-            os.write(wfd, pickle.dumps(out))
-            os._exit(0)
-    os.close(wfd)
-    try:
-        with os.fdopen(r, "rb") as f:
-            data = f.read()
-    finally:
-        os.waitpid(pid, 0)
-    return pickle.loads(data) if data else ["killed"]
+from _queues import local_pair, refused_in_fork_child
 
 
 def test_a_forked_child_can_neither_take_an_arena_slot_nor_run_the_handshake():
     w, (r,) = local_pair(1, max_chunk_bytes=1 << 20, max_chunks=4)
     try:
-        assert _child_refuses([lambda: w.empty_tensor((1 << 20,), torch.float32),
-                               lambda: w.wait_until_ready()]) == ["fork", "fork"]
+        assert refused_in_fork_child([lambda: w.empty_tensor((1 << 20,), torch.float32),
+                                      lambda: w.wait_until_ready()])
         # The parent's arena and handshake are as they were.
         t = w.empty_tensor((1 << 20,), torch.float32)
         t.fill_(1.0)

@@ -18,23 +18,11 @@ import time
 
 import pytest
 
-from fastmq import MessageQueue, ReaderGoneError
+from fastmq import ReaderGoneError
 from fastmq._ring import CorruptChunkError
 
 from _queues import local_pair
-from _relay import Relay
-
-
-def _through(tamper, security="mac"):
-    w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
-    m = Relay(w.export_handle(), tamper)
-    r = MessageQueue.create_from_handle(m.handle, 0)
-    t = threading.Thread(target=w.wait_until_ready)
-    t.start()
-    r.wait_until_ready()
-    t.join(10)
-    assert not t.is_alive()
-    return w, r, m
+from _relay import through_relay
 
 
 def _close(w, r, m):
@@ -52,7 +40,7 @@ def test_a_reader_that_refused_a_forgery_hangs_up_and_the_writer_names_it():
             return data[:-1] + bytes([data[-1] ^ 1])
         return data
 
-    w, r, m = _through(flip_first)
+    w, r, m = through_relay(flip_first)
     try:
         w.enqueue("pay 10")
         with pytest.raises(CorruptChunkError, match="failed authentication"):
@@ -98,7 +86,7 @@ def test_a_signal_handlers_exception_between_receives_leaves_the_message_to_resu
     def on_alarm(signum, frame):
         raise _Alarm()
 
-    w, r, m = _through(slow_second_half)
+    w, r, m = through_relay(slow_second_half)
     old = signal.signal(signal.SIGALRM, on_alarm)
     try:
         big = b"A" * 3_000_000
@@ -126,7 +114,7 @@ def test_a_dropped_message_is_named_as_dropped():
         count.append(1)
         return b"" if len(count) == 2 else data
 
-    w, r, m = _through(drop_second)
+    w, r, m = through_relay(drop_second)
     try:
         w.enqueue("one")
         assert r.dequeue(timeout=10) == "one"
@@ -147,7 +135,7 @@ def test_a_forged_header_is_not_taken_at_its_word():
         # HEAD: kind (4 bytes), seal counter (u64), sequence number (u64), ...
         return data[:12] + (2130706433).to_bytes(8, "little") + data[20:]
 
-    w, r, m = _through(forge_seq)
+    w, r, m = through_relay(forge_seq)
     try:
         w.enqueue("one")
         with pytest.raises(CorruptChunkError) as e:

@@ -17,7 +17,7 @@ import pytest
 from fastmq import MessageQueue, _keys, _seal, _wire
 from fastmq._ring import CorruptChunkError
 
-from _relay import Relay
+from _relay import through_relay
 
 
 def _ready(w, readers):
@@ -159,10 +159,7 @@ def _through_middle(tamper, security="mac"):
     """A writer and a reader with a man in the middle (``_relay.Relay``)
     who hands each chunk of the writer's bytes after the handshake to
     ``tamper`` (which returns what to relay)."""
-    w = MessageQueue(1, 0, connect_ip="127.0.0.1", remote_security=security)
-    m = Relay(w.export_handle(), tamper)
-    r = MessageQueue.create_from_handle(m.handle, 0)
-    _ready(w, [r])
+    w, r, _ = through_relay(tamper, security)
     return w, r
 
 
