@@ -294,6 +294,27 @@ cdef class ArenaReaderEnd(ArenaEnd):
             raise error
         return oob
 
+    def release_named_in(self, chunk):
+        """Hand back the slots that a message refused before its
+        descriptors were read (its framing failed the ring's check) names
+        among ``chunk``'s bytes: they never reach ``map_oob``, so without
+        this they stayed taken for good.  Descriptors sit at 8-aligned
+        offsets (the ring aligns every buffer); each found is handed back
+        only under ``release_named``'s conditions."""
+        cdef Py_buffer v
+        cdef Py_ssize_t off
+        cdef char desc[C_DESC_LEN]
+        PyObject_GetBuffer(chunk, &v, PyBUF_SIMPLE)
+        try:
+            off = 0
+            while off + C_DESC_LEN <= v.len:
+                if _u64(<char *>v.buf, off)[0] == C_DESC_MAGIC:
+                    memcpy(desc, <char *>v.buf + off, C_DESC_LEN)
+                    self.release_named(desc)
+                off += 8
+        finally:
+            PyBuffer_Release(&v)
+
     cdef void release_named(self, const char *desc) noexcept:
         # A descriptor that failed validation, but names this arena (token)
         # and the slot's current publication (slot, epoch, written): that

@@ -6,6 +6,14 @@ import os
 WAIT_MODES = {"spin": 0, "futex": 1, "zmq": 2}
 
 
+# Beyond any count or MiB figure a machine holds, and small enough that
+# what is computed from it (bytes, nanoseconds) fits the C integers it goes
+# into: a larger value is refused here, naming its variable, instead of an
+# OverflowError deep inside.
+ENV_INT_MAX = (1 << 31) - 1
+ENV_FLOAT_MAX = 1e9
+
+
 def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -16,6 +24,8 @@ def env_int(name: str, default: int | None, minimum: int = 0) -> int | None:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
     if value < minimum:
         raise ValueError(f"{name}={raw!r} must be at least {minimum}")
+    if value > ENV_INT_MAX:
+        raise ValueError(f"{name}={raw!r} is out of range (at most {ENV_INT_MAX})")
     return value
 
 
@@ -29,6 +39,9 @@ def env_float(name: str, default: float | None, minimum: float = 0.0) -> float |
         raise ValueError(f"{name}={raw!r} is not a number") from None
     if not value >= minimum:
         raise ValueError(f"{name}={raw!r} must be at least {minimum}")
+    if not value <= ENV_FLOAT_MAX:
+        raise ValueError(f"{name}={raw!r} is out of range (a finite number, at most "
+                         f"{ENV_FLOAT_MAX:g})")
     return value
 
 
@@ -79,8 +92,9 @@ DEFAULT_SPIN_US = 2000
 def spin_us(value: float | None) -> float:
     if value is None:
         return env_float("FASTMQ_SPIN_US", DEFAULT_SPIN_US)
-    if not value >= 0:
-        raise ValueError(f"spin_us must be >= 0, got {value!r}")
+    if not 0 <= value <= ENV_FLOAT_MAX:
+        raise ValueError(f"spin_us must be a number of microseconds in 0..{ENV_FLOAT_MAX:g}, "
+                         f"got {value!r}")
     return value
 
 

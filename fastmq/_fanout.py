@@ -103,6 +103,11 @@ class Fanout:
             self.listener.bind((connect_ip.strip("[]"), 0))
             self.listener.listen(64)
             self.listener.setblocking(False)
+        except OSError as e:
+            self.listener.close()
+            raise OSError(f"fastmq: cannot listen for remote readers at "
+                          f"connect_ip={connect_ip.strip('[]')!r} ({e.strerror or e}): give an "
+                          "address of this node (or set FASTMQ_HOST_IP)") from e
         except BaseException:
             self.listener.close()
             raise

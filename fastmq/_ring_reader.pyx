@@ -277,7 +277,15 @@ cdef class RingReader(RingEnd):
         cdef uint64_t start0, len0
         cdef object stream = None
         try:
-            oob = self.take_oob(idx, c, &start0, &len0)
+            try:
+                oob = self.take_oob(idx, c, &start0, &len0)
+            except CorruptChunkError:
+                if arena is not None:
+                    # The slots the chunk names would stay taken for good:
+                    # its descriptors never reach the arena's map_oob.
+                    stream = PyMemoryView_FromMemory(c, self.max_chunk_bytes, PyBUF_READ)
+                    arena.release_named_in(stream)
+                raise
             # Unpickled in place: the chunk stays this reader's until the
             # object is built (its bytes are copies), then it is marked read.
             stream = PyMemoryView_FromMemory(c + start0, len0, PyBUF_READ)

@@ -256,7 +256,9 @@ class Stream:
             if self._hello_error is not None:
                 raise self._hello_error
             self._drive(self._await_ready(), None)
-        except PeerGone:
+        except (PeerGone, ConnectionError):
+            # ConnectionError: the answer to the challenge could not be
+            # sent (the writer reset the connection first).
             raise RuntimeError(
                 f"fastmq: the writer at {self.address} closed the connection during the "
                 "handshake: it is gone, it did not accept this reader's key, or its "

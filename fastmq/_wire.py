@@ -172,7 +172,12 @@ class Outgoing:
         if total > MAX_MESSAGE_BYTES:
             raise ValueError(f"fastmq: a message of {total} bytes is more than a remote "
                              f"reader takes ({MAX_MESSAGE_BYTES})")
-        whole = total <= WHOLE_BYTES
+        # Sealed whole only when header, frames and tag fit the reader's
+        # inbox, which takes such a message in one piece: a small message
+        # of very many frames goes in segments (its header alone fits,
+        # MAX_FRAMES).
+        whole = (total <= WHOLE_BYTES and
+                 HEAD.size + 8 * len(views) + total + _seal.TAG_BYTES <= INBOX_BYTES)
         header = HEAD.pack(WHOLE if whole else SEGMENTED, counter, seq, len(views)) + \
             struct.pack(f"<{len(views)}Q", *lengths)
         self._seal = seal
@@ -203,8 +208,9 @@ class Outgoing:
         # "mac": the tag of a full group's last segment goes at the head of
         # the next batch (a trailing batch of its own after the last group).
         self._late = bool(seal.tag_bytes) and not seal.encrypting
-        trailing = self._late and groups[-1][2]
-        self.n_batches = len(groups) + trailing
+        trailing = self._late and bool(groups) and groups[-1][2]
+        # Frames all empty: the header is the one batch.
+        self.n_batches = max(1, len(groups) + trailing)
 
     def batch(self, k: int) -> list:
         """Batch ``k`` (0 <= k < n_batches): lists of wire parts; the first

@@ -64,6 +64,11 @@ class QueueWriter(RemoteSending):
         elif len(local_reader_ranks) != n_local_reader:
             raise ValueError(f"local_reader_ranks {local_reader_ranks} does not have "
                              f"n_local_reader={n_local_reader} entries")
+        elif len(set(local_reader_ranks)) != len(local_reader_ranks):
+            # Each rank claims a ring slot of its own: a rank listed twice
+            # leaves a slot no reader can take, and the handshake waits for
+            # it for ever.
+            raise ValueError(f"local_reader_ranks {local_reader_ranks} lists a rank twice")
         max_chunk_bytes, max_chunks = _config.ring_geometry(max_chunk_bytes, max_chunks)
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_remote_reader = n_reader - n_local_reader
@@ -85,6 +90,7 @@ class QueueWriter(RemoteSending):
         # overflow socket, as in vLLM.
         self._parts_on = _config.env_bool("FASTMQ_PARTS", True)
         self._notify_failure_logged = False
+        self._ready = False          # wait_until_ready() returned
         self._zmq_wakeup = False     # the ring notifies parked readers on a ZMQ socket
         self.buffer = self.ring = self.tensor_arena = None
         self.local_socket = self.notify_socket = self.fanout = None
@@ -194,9 +200,13 @@ class QueueWriter(RemoteSending):
         a ``RuntimeError`` naming it.  Nothing a peer on the remote port
         does makes it raise; a ZMQ peer there (a reader of vLLM's own
         queue) is named in the log and in the exception if it is cancelled.
-        After it raised, ``enqueue()`` raises too."""
+        After it raised, ``enqueue()`` raises too.  Once it returned, a
+        second call returns at once (the readers are still subscribed)."""
+        if self._ready:
+            return
         try:
             self._wait_for_readers()
+            self._ready = True
         except BaseException as e:
             fanout = self.fanout
             if fanout is not None and fanout.listener is not None:

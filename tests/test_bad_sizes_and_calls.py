@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 
@@ -78,3 +79,90 @@ def test_a_remote_reader_asked_before_its_handshake_gets_no_message_and_stays_us
     finally:
         r.shutdown()
         w.shutdown()
+
+
+def test_local_reader_ranks_listing_a_rank_twice_are_refused():
+    # A slot no reader can take: the writer's handshake waited for it for
+    # ever.
+    with pytest.raises(ValueError, match=r"local_reader_ranks \[0, 0\] lists a rank twice"):
+        MessageQueue(2, 2, [0, 0])
+
+
+def test_a_second_wait_until_ready_on_the_writer_returns_at_once():
+    # (vLLM's writer waits for subscriptions that never come again.)
+    w, rs = local_pair(1, 1, max_chunk_bytes=4096, max_chunks=2)
+    t = threading.Thread(target=w.wait_until_ready, daemon=True)
+    try:
+        t.start()
+        t.join(5)
+        assert not t.is_alive(), "the second wait_until_ready() did not return"
+        w.enqueue("after", timeout=10)
+        assert [r.dequeue(timeout=10) for r in rs] == ["after", "after"]
+    finally:
+        for q in rs + [w]:
+            q.shutdown()
+        t.join(5)
+
+
+def test_a_connect_ip_that_does_not_resolve_is_named():
+    with pytest.raises(OSError, match="connect_ip='no-such-host.invalid'"):
+        MessageQueue(1, 0, connect_ip="no-such-host.invalid")
+
+
+@pytest.mark.parametrize("var, value", [
+    ("FASTMQ_SPIN_US", "inf"),
+    ("FASTMQ_SPIN_US", "1e30"),
+    ("FASTMQ_WARM_MB", "99999999999999999999"),
+    ("FASTMQ_REMOTE_BUFFERS_MB", "99999999999999999999"),
+    ("FASTMQ_MAX_CHUNKS", "99999999999999999999"),
+    ("FASTMQ_ARENA_SLOTS", "99999999999999999999"),
+    ("FASTMQ_ARENA_SLOT_MB", "1e300"),
+    ("VLLM_RINGBUFFER_WARNING_INTERVAL", "inf"),
+])
+def test_a_huge_setting_is_refused_naming_its_variable(monkeypatch, var, value):
+    # Each went through to a C integer as an OverflowError that named
+    # nothing (or, for a spin or a warning interval, a float conversion).
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=var):
+        w, rs = local_pair(1, 1, max_chunk_bytes=4096, max_chunks=2)
+        for q in rs + [w]:
+            q.shutdown()
+
+
+def test_an_infinite_spin_is_refused_naming_the_keyword():
+    with pytest.raises(ValueError, match="spin_us must be a number of microseconds"):
+        MessageQueue(1, 1, spin_us=math.inf)
+
+
+@pytest.mark.parametrize("security", ["none", "mac", "encrypt"])
+def test_a_small_message_of_very_many_frames_fits_what_a_remote_reader_takes(security):
+    # A message of few bytes goes whole, and a reader takes a whole one
+    # into its inbox at once: with 32000 frames its header alone is
+    # 256 KiB, so the writer sent what the reader refused as malformed.
+    # The writer now sends it in segments; the reader takes every frame.
+    from fastmq import _fanout, _keys, _stream, _wire
+
+    psk = _keys.new_writer_trust(security)["psk"]
+    fan = _fanout.Fanout("127.0.0.1", False, security, psk)
+    stream = _stream.Stream(fan.address, False, security, psk, 0)
+    try:
+        stream.start_hello()
+        deadline = time.monotonic() + 10
+        while not fan.handshake_step(1):
+            assert time.monotonic() < deadline, "the handshake did not complete"
+            time.sleep(0.001)
+        stream.handshake()
+        frames = [bytes([i % 251]) for i in range(32000)]
+        _wire.check_limits(frames)
+        m = _wire.Outgoing(fan.seal, 1, 1, frames)
+        wire = b"".join(bytes(p) for k in range(m.n_batches) for p in m.batch(k))
+        sock = fan.readers[0].sock
+        sock.setblocking(True)
+        sender = threading.Thread(target=sock.sendall, args=(wire,))
+        sender.start()
+        got = stream.recv(time.monotonic() + 30)
+        sender.join(10)
+        assert [bytes(f) for f in got] == frames
+    finally:
+        stream.close()
+        fan.close()

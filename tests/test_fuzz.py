@@ -35,6 +35,7 @@ import random
 import struct
 
 import numpy as np
+import pytest
 
 from fastmq import CorruptChunkError, MessageQueue
 from fastmq.arena import ArenaError
@@ -316,3 +317,42 @@ def test_fuzz_arena_descriptors_and_flags():
     # Every outcome was reached: refused, mapped in bounds, passed through.
     assert outcomes.get("ArenaError", 0) > 1000 and outcomes.get("mapped", 0) > 0, outcomes
     assert outcomes.get("passed", 0) > 0, outcomes
+
+
+def test_a_chunk_refused_for_its_framing_hands_back_the_arena_slots_it_names():
+    """A chunk whose framing fails the ring's check never reaches the
+    arena's descriptor check: the slots it names stayed taken for good
+    (later tensors then took the copy path).  Each bad framing here names a
+    real, current publication; after the refusal the slot is free again."""
+    writer = MessageQueue(1, 1, max_chunks=2, max_chunk_bytes=CHUNK,
+                          enable_shm_tensor_arena=True, arena_slots=2, arena_slot_mb=1,
+                          arena_min_mb=0.01)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        writer.wait_until_ready()
+        reader.wait_until_ready()
+        core = writer.tensor_arena.core
+        arr = np.arange(32 << 10, dtype=np.uint8)
+        for bad in ("count", "length", "overflow mark"):
+            bufs = writer._end.encoder.encode({"a": arr})
+            writer.tensor_arena.commit()
+            assert len(bufs) == 2 and len(bufs[1]) == 48, "the array did not go to the arena"
+            assert len(core.free_slots()) == 1
+            if bad == "count":
+                data = frame(bufs, nbuf=3)
+            elif bad == "length":
+                data = frame(bufs, lens=[len(bufs[0]), CHUNK])
+            else:
+                data = frame(bufs, overflow=7)
+            with writer.acquire_write() as buf:
+                buf[:len(data)] = data
+            with pytest.raises(CorruptChunkError):
+                reader.dequeue(timeout=0)
+            reader.tensor_arena.core.flush_releases()
+            assert len(core.free_slots()) == 2, bad
+        writer.enqueue({"a": arr})
+        got = reader.dequeue(timeout=10)
+        assert np.array_equal(got["a"], arr)
+    finally:
+        reader.shutdown()
+        writer.shutdown()

@@ -568,6 +568,34 @@ def test_the_writer_refuses_a_message_a_reader_would_refuse():
     assert r.dequeue(timeout=10) == "still usable"
 
 
+def test_a_writer_that_hangs_up_before_the_readers_answer_is_named():
+    """The writer sent its challenge and was gone (a reset) before the
+    reader answered: the answer's send failed with a raw ConnectionError
+    instead of the error that names the writer and says why."""
+    import struct
+
+    from fastmq import _stream
+
+    fake = socket.socket()
+    fake.bind(("127.0.0.1", 0))
+    fake.listen()
+    stream = _stream.Stream(f"tcp://127.0.0.1:{fake.getsockname()[1]}", False, "none", None, 0)
+    c, _ = fake.accept()
+    try:
+        c.sendall(_wire.CHALLENGE.pack(_wire.MAGIC, _wire.VERSION, _wire.MODE_CODES["none"],
+                                       bytes(16), bytes(32)))
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()            # a reset: the challenge stays readable, a send fails
+        time.sleep(0.2)
+        stream.start_hello()
+        e = _catch(stream.handshake)
+        assert type(e) is RuntimeError, repr(e)
+        assert "closed the connection during the handshake" in str(e), e
+    finally:
+        stream.close()
+        fake.close()
+
+
 def test_a_forged_header_is_named_malformed_not_a_dead_writer():
     """A header whose frame table cannot fit the reader's inbox used to be
     reported as the writer's death while the connection was still open."""
