@@ -582,12 +582,12 @@ def test_a_writer_that_hangs_up_before_the_readers_answer_is_named():
     stream = _stream.Stream(f"tcp://127.0.0.1:{fake.getsockname()[1]}", False, "none", None, 0)
     c, _ = fake.accept()
     try:
+        stream.start_hello()
+        time.sleep(0.2)      # connected: the reader waits for the challenge
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         c.sendall(_wire.CHALLENGE.pack(_wire.MAGIC, _wire.VERSION, _wire.MODE_CODES["none"],
                                        bytes(16), bytes(32)))
-        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        c.close()            # a reset: the challenge stays readable, a send fails
-        time.sleep(0.2)
-        stream.start_hello()
+        c.close()            # a reset: the challenge stays readable, the answer fails
         e = _catch(stream.handshake)
         assert type(e) is RuntimeError, repr(e)
         assert "closed the connection during the handshake" in str(e), e
