@@ -29,6 +29,24 @@ def local_pair(n_local: int = 1, n_remote: int = 0, **kw):
     return w, rs
 
 
+def fanout_and_stream(security: str = "none", spin_s: float = 0.0):
+    """A writer's fan-out and one remote reader's stream (rank 0),
+    handshaken over loopback in this process, under ``security``."""
+    from fastmq import _fanout, _keys, _stream
+
+    psk = _keys.new_writer_trust(security)["psk"]
+    fan = _fanout.Fanout("127.0.0.1", False, security, psk)
+    stream = _stream.Stream(fan.address, False, security, psk, 0)
+    stream.spin_s = spin_s
+    stream.start_hello()
+    deadline = time.monotonic() + 10
+    while not fan.handshake_step(1):
+        assert time.monotonic() < deadline, "the handshake did not complete"
+        time.sleep(0.001)
+    stream.handshake()
+    return fan, stream
+
+
 def wait_for(pred, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not pred():

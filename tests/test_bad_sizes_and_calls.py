@@ -13,7 +13,7 @@ import pytest
 
 from fastmq import MessageQueue
 
-from _queues import local_pair
+from _queues import fanout_and_stream, local_pair
 
 
 @pytest.mark.parametrize("kw, what", [
@@ -140,18 +140,10 @@ def test_a_small_message_of_very_many_frames_fits_what_a_remote_reader_takes(sec
     # into its inbox at once: with 32000 frames its header alone is
     # 256 KiB, so the writer sent what the reader refused as malformed.
     # The writer now sends it in segments; the reader takes every frame.
-    from fastmq import _fanout, _keys, _stream, _wire
+    from fastmq import _wire
 
-    psk = _keys.new_writer_trust(security)["psk"]
-    fan = _fanout.Fanout("127.0.0.1", False, security, psk)
-    stream = _stream.Stream(fan.address, False, security, psk, 0)
+    fan, stream = fanout_and_stream(security)
     try:
-        stream.start_hello()
-        deadline = time.monotonic() + 10
-        while not fan.handshake_step(1):
-            assert time.monotonic() < deadline, "the handshake did not complete"
-            time.sleep(0.001)
-        stream.handshake()
         frames = [bytes([i % 251]) for i in range(32000)]
         _wire.check_limits(frames)
         m = _wire.Outgoing(fan.seal, 1, 1, frames)

@@ -7,22 +7,15 @@ from __future__ import annotations
 import threading
 import time
 
-from fastmq import _fanout, _stream, _wire
+from fastmq import _stream, _wire
+
+from _queues import fanout_and_stream
 
 MiB = 1 << 20
 
 
 def _connected_pair(spin_s: float):
-    fan = _fanout.Fanout("127.0.0.1", False, "none", None)
-    stream = _stream.Stream(fan.address, False, "none", None, 0)
-    stream.spin_s = spin_s
-    stream.start_hello()
-    deadline = time.monotonic() + 10
-    while not fan.handshake_step(1):
-        assert time.monotonic() < deadline, "the handshake did not complete"
-        time.sleep(0.001)
-    stream.handshake()
-    return fan, stream
+    return fanout_and_stream("none", spin_s)
 
 
 def _wire_bytes(fan, payload, seq: int = 1) -> bytes:
