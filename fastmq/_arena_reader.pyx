@@ -295,12 +295,12 @@ cdef class ArenaReaderEnd(ArenaEnd):
         return oob
 
     def release_named_in(self, chunk):
-        """Hand back the slots that a message refused before its
-        descriptors were read (its framing failed the ring's check) names
-        among ``chunk``'s bytes: they never reach ``map_oob``, so without
-        this they stayed taken for good.  Descriptors sit at 8-aligned
-        offsets (the ring aligns every buffer); each found is handed back
-        only under ``release_named``'s conditions."""
+        """For a message refused before its descriptors were read (its
+        framing failed the ring's check): hand back the slots named by the
+        descriptors among ``chunk``'s bytes, which never reach ``map_oob``
+        and would otherwise stay taken for good.  Descriptors sit at
+        8-aligned offsets (the ring aligns every buffer); each one found
+        is handed back only under ``release_named``'s conditions."""
         cdef Py_buffer v
         cdef Py_ssize_t off
         cdef char desc[C_DESC_LEN]
