@@ -208,9 +208,8 @@ class Outgoing:
         # "mac": the tag of a full group's last segment goes at the head of
         # the next batch (a trailing batch of its own after the last group).
         self._late = bool(seal.tag_bytes) and not seal.encrypting
-        trailing = self._late and bool(groups) and groups[-1][2]
-        # Frames all empty: the header is the one batch.
-        self.n_batches = max(1, len(groups) + trailing)
+        trailing = self._late and groups[-1][2]
+        self.n_batches = len(groups) + trailing
 
     def batch(self, k: int) -> list:
         """Batch ``k`` (0 <= k < n_batches): lists of wire parts; the first
