@@ -256,9 +256,7 @@ class Stream:
             if self._hello_error is not None:
                 raise self._hello_error
             self._drive(self._await_ready(), None)
-        except (PeerGone, ConnectionError):
-            # ConnectionError: the answer to the challenge could not be
-            # sent (the writer reset the connection first).
+        except PeerGone:
             raise RuntimeError(
                 f"fastmq: the writer at {self.address} closed the connection during the "
                 "handshake: it is gone, it did not accept this reader's key, or its "
@@ -296,8 +294,11 @@ class Stream:
         blank = HELLO.pack(MAGIC, self.rank, os.getpid(), hs.nonce, hs.public,
                            bytes(_keys.PROOF_BYTES))
         transcript = challenge + blank[:HELLO.size - _keys.PROOF_BYTES]
-        self.sock.sendall(blank[:HELLO.size - _keys.PROOF_BYTES] +
-                          hs.prove(b"reader", transcript))
+        try:
+            self.sock.sendall(blank[:HELLO.size - _keys.PROOF_BYTES] +
+                              hs.prove(b"reader", transcript))
+        except OSError as e:    # as a receive's: the writer reset the connection
+            raise PeerGone(str(e)) from e
         self._hs, self._transcript, self._writer_public = hs, transcript, writer_public
 
     def _await_ready(self):

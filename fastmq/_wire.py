@@ -75,6 +75,10 @@ MODE_CODES = {m: i for i, m in enumerate(_seal.MODES)}
 # so that the largest header, with its tag, fits.
 INBOX_BYTES = 256 * 1024
 MAX_FRAMES = (INBOX_BYTES - HEAD.size - _seal.TAG_BYTES) // 8
+# A small message (WHOLE_BYTES at most) is taken whole into the inbox: with
+# at most this many frames, header, frames and tag fit; one with more goes
+# in segments.
+WHOLE_MAX_FRAMES = (INBOX_BYTES - HEAD.size - WHOLE_BYTES - _seal.TAG_BYTES) // 8
 MAX_MESSAGE_BYTES = 1 << 42    # a length beyond this is a forgery, not a message
 
 HUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
@@ -172,12 +176,7 @@ class Outgoing:
         if total > MAX_MESSAGE_BYTES:
             raise ValueError(f"fastmq: a message of {total} bytes is more than a remote "
                              f"reader takes ({MAX_MESSAGE_BYTES})")
-        # Sealed whole only when header, frames and tag fit the reader's
-        # inbox, which takes such a message in one piece: a small message
-        # of very many frames goes in segments (its header alone fits,
-        # MAX_FRAMES).
-        whole = (total <= WHOLE_BYTES and
-                 HEAD.size + 8 * len(views) + total + _seal.TAG_BYTES <= INBOX_BYTES)
+        whole = total <= WHOLE_BYTES and len(views) <= WHOLE_MAX_FRAMES
         header = HEAD.pack(WHOLE if whole else SEGMENTED, counter, seq, len(views)) + \
             struct.pack(f"<{len(views)}Q", *lengths)
         self._seal = seal
@@ -208,8 +207,9 @@ class Outgoing:
         # "mac": the tag of a full group's last segment goes at the head of
         # the next batch (a trailing batch of its own after the last group).
         self._late = bool(seal.tag_bytes) and not seal.encrypting
-        trailing = self._late and groups[-1][2]
-        self.n_batches = len(groups) + trailing
+        # No segment at all (frames all empty): the header is the one batch.
+        trailing = self._late and bool(groups) and groups[-1][2]
+        self.n_batches = max(1, len(groups) + trailing)
 
     def batch(self, k: int) -> list:
         """Batch ``k`` (0 <= k < n_batches): lists of wire parts; the first

@@ -47,6 +47,17 @@ def fanout_and_stream(security: str = "none", spin_s: float = 0.0):
     return fan, stream
 
 
+def assert_delivers(w, readers, obj="still usable") -> None:
+    """The queue still works: ``obj`` from ``w`` reaches every reader."""
+    w.enqueue(obj, timeout=10)
+    assert [r.dequeue(timeout=10) for r in readers] == [obj] * len(readers)
+
+
+def shut(*queues) -> None:
+    for q in queues:
+        q.shutdown()
+
+
 def wait_for(pred, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not pred():
