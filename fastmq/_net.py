@@ -12,24 +12,18 @@ IPC_PREFIX = "fastmq_"
 
 
 def bind_ipc(sock) -> str:
-    """Bind ``sock`` to a fresh ipc endpoint that only this user's
-    processes can connect to; return its zmq address.
+    """Bind ``sock`` to a fresh ipc endpoint; return its zmq address.
 
     The endpoint is in Linux's abstract socket namespace (``ipc://@...``):
     it has no file, so a process that dies, however it dies, leaves none
     behind; the name goes with the socket.  An abstract socket has no file
-    permissions, so libzmq checks each connecting peer's credentials
-    (``SO_PEERCRED``) against this process's user and drops any other
-    before it can subscribe (``IPC_FILTER_UID``, set before the bind: no
-    window in which a stranger's connection is accepted).
+    permissions: any process of this network namespace can connect, of any
+    user (a root reader of a non-root writer, as with vLLM's socket file).
+    What keeps strangers out is the handle: the data socket applies only
+    the subscriptions of readers that prove they hold it
+    (``fastmq._subscribers``), and the notify socket carries nothing but
+    one-byte wakeups.
     """
-    uid_filter = getattr(zmq, "IPC_FILTER_UID", None)
-    if uid_filter is None:
-        raise RuntimeError(
-            f"this pyzmq/libzmq ({zmq.pyzmq_version()}/{zmq.zmq_version()}) cannot filter ipc "
-            "peers by user (ZMQ_IPC_FILTER_UID), which fastmq's local sockets need; "
-            "install pyzmq's wheel, which bundles a libzmq that can")
-    sock.setsockopt(uid_filter, os.getuid())
     addr = f"ipc://@{IPC_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
     sock.bind(addr)
     return addr

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 
-def start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (0 if unknown)."""
+def start_time(pid: int | str) -> int:
+    """Start time of ``pid`` (or ``"self"``) in clock ticks since boot (0
+    if unknown)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -77,8 +78,9 @@ def _exited(pid: int) -> bool:
 
 
 def me() -> tuple[int, int]:
-    pid = os.getpid()
-    return pid, start_time(pid)
+    # /proc/self, not /proc/<getpid()>: in a child pid namespace that sees
+    # its parent's /proc, getpid()'s number names another process there.
+    return os.getpid(), start_time("self")
 
 
 def pid_namespace() -> int:

@@ -15,6 +15,10 @@ cdef class RingReader(RingEnd):
     # Where out-of-band buffers of POOLED_MIN bytes and more are copied to
     # (a fastmq._recv_buffers.BufferPool), or None: fresh bytearrays.
     cdef public object buffers
+    # A pidfd of the writer's process (-1: none), and whether its pid is
+    # one this process's pid namespace can judge (see writer_alive).
+    cdef int writer_pidfd
+    cdef bint writer_pid_visible
 
     cdef inline bint readable(self, int idx) noexcept nogil
     cdef inline bint closed_by_writer(self) noexcept

@@ -24,6 +24,16 @@ from cpython.buffer cimport (PyBUF_READ, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from libc.string cimport memcpy
+from posix.unistd cimport close as c_close
+
+cdef extern from "poll.h" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum:
+        POLLIN
 
 from fastmq._native.atomic cimport (
     fmq_add_u32_seq, fmq_cas_u64, fmq_fence_seq, fmq_futex_wake_all, fmq_load_u8_acq,
@@ -40,7 +50,7 @@ from fastmq._recv_buffers cimport POOLED_MIN
 from fastmq._ring_layout cimport *
 from fastmq._segment cimport Segment
 
-from fastmq._proc import is_alive as _process_alive
+from fastmq._proc import is_alive as _process_alive, pid_namespace as _pid_namespace
 from fastmq._ring import (LAYOUT_VERSION, MAGIC, PENDING, CorruptChunkError,
                           SegmentMismatchError, layout)
 
@@ -92,6 +102,13 @@ cdef class RingReader(RingEnd):
         cdef RingReader self = RingReader.__new__(RingReader)
         self.bind(seg, want, mode, spin_ns)
         self.reader_rank = reader_rank
+        self.writer_pidfd = -1
+        # A pid means something only in its pid namespace: a reader in
+        # another one (a child namespace that sees the host's /proc, a
+        # sidecar) must not judge the writer by it.
+        ns = _u64(b, H_WRITER_PIDNS)[0]
+        mine = _pid_namespace()
+        self.writer_pid_visible = ns == 0 or mine == 0 or ns == mine
         # The readers park together: one counter, one futex word.
         self.park_counter = self.readers_parked
         self.park_word = self.read_seq
@@ -139,9 +156,32 @@ cdef class RingReader(RingEnd):
     cdef int writer_state(self) except -1:
         if self.closed_by_writer():
             return ST_WRITER_CLOSED
-        if not _process_alive(self.writer_pid, self.writer_start):
+        if not self.writer_alive():
             return ST_WRITER_DIED
         return ST_READY
+
+    def writer_alive(self):
+        """Whether the writer's process runs: its pidfd (from the writer,
+        ``fastmq._door``) turns readable when it exits, in any pid
+        namespace and without /proc; without one, its pid and start time,
+        where this process's pid namespace is the writer's (elsewhere it
+        cannot be judged, and counts as alive)."""
+        cdef pollfd p
+        if self.writer_pidfd >= 0:
+            p.fd = self.writer_pidfd
+            p.events = POLLIN
+            p.revents = 0
+            return not (poll(&p, 1, 0) > 0 and (p.revents & POLLIN))
+        if not self.writer_pid_visible:
+            return True
+        return _process_alive(self.writer_pid, self.writer_start)
+
+    def watch_writer(self, int pidfd):
+        """Judge the writer by ``pidfd`` (a pidfd of its process; this end
+        owns it from here on and closes it with itself)."""
+        if self.writer_pidfd >= 0:
+            c_close(self.writer_pidfd)
+        self.writer_pidfd = pidfd
 
     def use_zmq_wakeup(self, notify, poller=None):
         """ZMQ wait mode: park by polling ``poller`` (its ``notify`` SUB,
@@ -424,3 +464,10 @@ cdef class RingReader(RingEnd):
         mapping (the Segment unmaps when unused)."""
         self.release_claim()
         RingEnd.close(self)
+        if self.writer_pidfd >= 0:
+            c_close(self.writer_pidfd)
+            self.writer_pidfd = -1
+
+    def __dealloc__(self):
+        if self.writer_pidfd >= 0:
+            c_close(self.writer_pidfd)

@@ -8,7 +8,7 @@ joiner, a monitor, vLLM's own queue on a fastmq handle) is not a reader.
 So each fastmq reader subscribes, before its catch-all subscription, to a
 topic of its own that names it::
 
-    IDENTITY_PREFIX | i32 rank | u32 pid | u64 nonce
+    IDENTITY_PREFIX | i32 rank | u32 pid | u64 nonce | tag
 
 The topic is longer than the first frame of any message a queue sends (a
 12-byte socket-message header, ``READY``, a 1-byte wakeup), so it never
@@ -16,10 +16,19 @@ matches a message: it only says who is there.  With ``XPUB_VERBOSER`` the
 writer sees every subscribe and unsubscribe, and ``Subscribers`` keeps the
 set of identities present.  A catch-all subscription that stays without an
 identity is foreign (see ``Subscribers.foreign``).
+
+The socket is an abstract unix name, which any process of the writer's
+network namespace can connect to (a pod's sidecar too).  So the data
+socket is an ``XPUB_MANUAL`` one: a subscription takes effect only when
+the writer applies it, which it does for a connection whose identity
+carries the right tag, an HMAC of the identity under the handle's local
+key (``fastmq._door``: it travels only inside the handle).  A process
+without the handle can connect and subscribe, and receives nothing.
 """
 from __future__ import annotations
 
-import os
+import hashlib
+import hmac
 import secrets
 import struct
 import time
@@ -32,12 +41,20 @@ from fastmq.handle import HandleMismatchError
 
 IDENTITY_PREFIX = b"\xfffastmq-reader\x00"
 _ID = struct.Struct("<iIQ")
-IDENTITY_BYTES = len(IDENTITY_PREFIX) + _ID.size
+TAG_BYTES = 16
+IDENTITY_BYTES = len(IDENTITY_PREFIX) + _ID.size + TAG_BYTES
 
 
-def identity(rank: int) -> bytes:
-    """A new identity topic for this process's reader of ``rank``."""
-    return IDENTITY_PREFIX + _ID.pack(rank, os.getpid(), secrets.randbits(64))
+def _tag(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()[:TAG_BYTES]
+
+
+def identity(rank: int, pid: int, key: bytes) -> bytes:
+    """A new identity topic for the reader of ``rank`` in process ``pid``
+    (as the writer's pid namespace numbers it), tagged with the queue's
+    local ``key``."""
+    body = IDENTITY_PREFIX + _ID.pack(rank, pid, secrets.randbits(64))
+    return body + _tag(key, body)
 
 
 # How long more catch-all subscriptions than identities may last before a
@@ -58,10 +75,14 @@ class Subscribers:
     """The identities subscribed to one XPUB (``XPUB_VERBOSER``), fed with
     the socket's subscription events."""
 
-    def __init__(self):
+    def __init__(self, key: bytes | None = None):
         self.present: dict[bytes, tuple[int, int]] = {}   # topic -> (rank, pid)
         self.catch_all = 0                                # "" subscriptions alive
         self._surplus_since = None
+        # The local key: set on an XPUB_MANUAL socket, whose readers'
+        # subscriptions ``drain`` applies once their identity's tag checks.
+        self._key = key
+        self.refused = 0    # identities whose tag did not check
 
     def feed(self, event: bytes) -> tuple[bool, bytes] | None:
         """Account for one event; returns ``(subscribed, topic)`` for a
@@ -73,6 +94,10 @@ class Subscribers:
             self.catch_all += 1 if subscribed else -1
             return None
         if len(topic) != IDENTITY_BYTES or not topic.startswith(IDENTITY_PREFIX):
+            return None
+        if self._key is not None and not hmac.compare_digest(
+                topic[-TAG_BYTES:], _tag(self._key, topic[:-TAG_BYTES])):
+            self.refused += subscribed
             return None
         if subscribed:
             rank, pid, _ = _ID.unpack_from(topic, len(IDENTITY_PREFIX))
@@ -88,6 +113,10 @@ class Subscribers:
             got = self.feed(sock.recv(zmq.NOBLOCK))
             if got is not None:
                 out.append(got)
+                if self._key is not None and got[0]:
+                    # XPUB_MANUAL: applies to the connection whose event
+                    # was received last, this reader's.
+                    sock.setsockopt(zmq.SUBSCRIBE, b"")
         return out
 
     def has(self, rank: int, pid: int) -> bool:

@@ -17,11 +17,12 @@ from typing import Any, Iterator
 
 import zmq
 
-from fastmq import (_config, _fanout, _keys, _net, _overflow, _parts, _seal, _subscribers,
-                    segments)
+from fastmq import (_config, _door, _fanout, _keys, _net, _overflow, _parts, _seal,
+                    _subscribers, segments)
 from fastmq._ring import (LONG_WAIT, PICKLER_STALE, READER_DIED, READY,
                           WAIT_ZMQ)
 from fastmq._gone import ReaderGoneError
+from fastmq._segment import parse_locator
 from fastmq._serde import Encoder
 from fastmq._writer_remote import RemoteSending, nbytes as _nbytes
 from fastmq.handle import BufferHandle, Handle
@@ -93,7 +94,8 @@ class QueueWriter(RemoteSending):
         self._ready = False          # wait_until_ready() returned
         self._zmq_wakeup = False     # the ring notifies parked readers on a ZMQ socket
         self.buffer = self.ring = self.tensor_arena = None
-        self.local_socket = self.notify_socket = self.fanout = None
+        self.local_socket = self.notify_socket = self.fanout = self.door = None
+        self._local_key = _door.new_key()
         self.zmq = (zmq.Context(), [])
         local_addrs = (None, None)
         security = None
@@ -106,6 +108,7 @@ class QueueWriter(RemoteSending):
 
                 self.tensor_arena = arena.create_for_queue(
                     enable_shm_tensor_arena, arena_options, n_local_reader, n_remote_reader)
+                self._open_door()
             elif arena_options:
                 raise TypeError(f"unexpected arguments {sorted(arena_options)}")
             if n_remote_reader > 0:
@@ -138,7 +141,22 @@ class QueueWriter(RemoteSending):
             n_reader=n_reader,
             writer_pid=os.getpid(),
             spin_us=_config.spin_us(spin_us) if n_remote_reader else None,
+            local_door_addr=self.door.address if self.door is not None else None,
+            local_key=self._local_key if n_local_reader else None,
         )
+
+    def _open_door(self) -> None:
+        """The socket the local readers get the segments' descriptors from
+        (``fastmq._door``), open while the queue is."""
+        locators = [self.buffer.handle()[3]]
+        if self.tensor_arena is not None:
+            locators.append(self.tensor_arena.handle()[3])
+        given = []
+        for locator in locators:
+            name, _, fd, _ = parse_locator(locator)
+            given.append((name, fd))
+        self.door = _door.Door(given, self._local_key)
+        self.zmq[1].append(self.door)
 
     def _open_local(self, n_local_reader: int, max_chunk_bytes: int, max_chunks: int,
                     wait_mode: str | None, spin_us: float | None) -> tuple[str, str | None]:
@@ -156,8 +174,10 @@ class QueueWriter(RemoteSending):
         self.local_socket = context.socket(zmq.XPUB)
         sockets.append(self.local_socket)
         # Every (un)subscription, so that the handshake counts the readers
-        # present (fastmq._subscribers), not events.
+        # present (fastmq._subscribers), not events; applied by the writer
+        # only for a reader that holds the handle (XPUB_MANUAL).
         self.local_socket.setsockopt(zmq.XPUB_VERBOSER, True)
+        self.local_socket.setsockopt(zmq.XPUB_MANUAL, True)
         _overflow.tune_publisher(self.local_socket)
         subscribe_addr = _net.bind_ipc(self.local_socket)
         notify_addr = None
@@ -219,7 +239,8 @@ class QueueWriter(RemoteSending):
             raise
 
     def _wait_for_readers(self) -> None:
-        local = [(self.local_socket, _subscribers.Subscribers())] if self.n_local_reader else []
+        local = ([(self.local_socket, _subscribers.Subscribers(self._local_key))]
+                 if self.n_local_reader else [])
         if self.notify_socket is not None:
             local.append((self.notify_socket, _subscribers.Subscribers()))
         remote = self.fanout if self.n_remote_reader else None
@@ -254,15 +275,26 @@ class QueueWriter(RemoteSending):
                 far = (remote.missing(self.n_remote_reader)
                        if remote is not None and not remote.readers else None)
                 logger.info("fastmq: the writer has waited %.0f s in wait_until_ready() "
-                            "for its readers: %s", time.monotonic() - start,
+                            "for its readers: %s%s", time.monotonic() - start,
                             _subscribers.missing_readers(None if local_done else self.ring,
-                                                         local, far))
+                                                         local, far),
+                            self._refused_note(local))
             poller = zmq.Poller()
             for sock, _ in local:
                 poller.register(sock, zmq.POLLIN)
             for sock in remote.fds() if remote is not None else ():
                 poller.register(sock, zmq.POLLIN)
             poller.poll(_overflow.RECV_SLICE_MS)
+
+    def _refused_note(self, local: list) -> str:
+        """The local peers refused so far, for the long-wait line."""
+        refused = self.door.describe_refused() if self.door is not None else ""
+        tags = local[0][1].refused if local else 0
+        if tags:
+            refused += (", " if refused else "") + (
+                f"{tags} subscription(s) to the local socket whose identity does not "
+                "carry this queue's key")
+        return f"; refused: {refused}" if refused else ""
 
     def disown(self) -> None:
         """In a forked child that inherited this end (see
@@ -273,6 +305,8 @@ class QueueWriter(RemoteSending):
         more.  Nothing is sent and nothing shared is changed."""
         if self.fanout is not None:
             self.fanout.close()       # in another process: the descriptors only
+        if self.door is not None:
+            self.door.close()         # the child's copies only
         segments.drop_inherited(self.buffer, self.tensor_arena)
 
     def shutdown(self) -> None:

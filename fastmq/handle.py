@@ -61,6 +61,11 @@ class Handle:
     # fastmq only: the writer's pid, so that a remote reader (which cannot
     # see the writer's process) can name it when its connection drops.
     writer_pid: int | None = None
+    # fastmq only: where local readers get the segments' descriptors
+    # (fastmq._door), and the key that proves a reader holds this handle
+    # there and on the local socket (kept out of repr, like remote_key).
+    local_door_addr: str | None = None
+    local_key: bytes | None = field(default=None, repr=False)
 
 
 def vllm_ring_error(buffer_handle) -> HandleMismatchError:

@@ -289,8 +289,10 @@ def test_attach_missing_segment():
     gone = f"{name}:{fd}:{int(ino) + 1}"
     with pytest.raises(FileNotFoundError, match="is gone"):
         MessageQueue.create_from_handle(with_name(gone), 0)
+    # A segment the writer does not hand its readers, at a descriptor it
+    # does not have.
     with pytest.raises(FileNotFoundError, match="is gone"):
-        MessageQueue.create_from_handle(with_name(f"{name}:9999:{ino}"), 0)
+        MessageQueue.create_from_handle(with_name(f"{name[:-4]}beef:9999:{ino}"), 0)
     with pytest.raises(ValueError, match="not a fastmq segment locator"):
         MessageQueue.create_from_handle(with_name("fastmq_0_ring_gone"), 0)
     r = MessageQueue.create_from_handle(h, 0)      # the right one still works
