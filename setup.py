@@ -18,9 +18,9 @@ compile_args = ["-O0", "-g", "-fsanitize=address"] if DEBUG else ["-O3", "-g0"]
 link_args = ["-fsanitize=address"] if DEBUG else ["-Wl,-s"]
 libraries = ["rt", "dl"] if sys.platform.startswith("linux") else []
 
-MODULES = ["_segment", "_sink", "_recv_buffers", "_gmac", "_outbox", "_ring", "_ring_writer",
-           "_ring_reader", "_arena", "_arena_pages", "_arena_writer", "_arena_reader", "_snapshot",
-           "_floor"]
+MODULES = ["_memory", "_segment", "_sink", "_recv_buffers", "_gmac", "_outbox", "_ring",
+           "_ring_writer", "_ring_reader", "_arena", "_arena_pages", "_arena_writer",
+           "_arena_reader", "_snapshot", "_floor"]
 
 
 def ext(name):

@@ -21,7 +21,7 @@ import os
 import threading
 
 from fastmq._arena import PAGE
-from fastmq._segment import ShmFullError, memory_available
+from fastmq._memory import ShmFullError, memory_available
 
 logger = logging.getLogger("fastmq")
 

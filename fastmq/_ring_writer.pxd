@@ -21,6 +21,8 @@ cdef class RingWriter(RingEnd):
     cdef public Py_ssize_t parts_min
     # Bytes of each chunk reserved so far.
     cdef Py_ssize_t *reserved
+    # Bytes of every chunk whose memory the ring's creation asked for.
+    cdef Py_ssize_t asked_first
 
     cdef inline bint writable(self, int idx) noexcept nogil
     cdef bint find_dead_reader(self, int idx) except -1

@@ -82,13 +82,17 @@ cdef class RingWriter(RingEnd):
     @staticmethod
     def create(Segment seg, int n_reader, Py_ssize_t max_chunk_bytes,
                int max_chunks, int wait_mode, int64_t spin_ns,
-               uint32_t writer_pid, uint64_t writer_start, uint64_t writer_pidns=0):
-        """Write a new ring's header into ``seg`` and return its writer's end."""
+               uint32_t writer_pid, uint64_t writer_start, uint64_t writer_pidns=0,
+               bint checked=False):
+        """Write a new ring's header into ``seg`` and return its writer's end.
+        ``checked``: the caller has just found the memory for the whole ring
+        there, so the header, and a message's first write into a chunk up to
+        its first memory step (64 KiB), ask no more."""
         stride, meta_off, data_off, total = layout(n_reader, max_chunk_bytes, max_chunks)
         if seg.size < total:
             raise ValueError("segment of %d bytes is smaller than the ring (%d)" % (seg.size, total))
         cdef char *b = <char *>seg.addr
-        seg.reserve(0, data_off, "the ring's header")
+        seg.reserve(0, data_off, "the ring's header", 0 if checked else -1)
         memset(b, 0, data_off)
         _u32(b, H_VERSION)[0] = LAYOUT_VERSION
         _u32(b, H_NREADER)[0] = n_reader
@@ -118,6 +122,10 @@ cdef class RingWriter(RingEnd):
         self.reserved = <Py_ssize_t *>calloc(self.max_chunks, sizeof(Py_ssize_t))
         if self.reserved == NULL:
             raise MemoryError()
+        # Asking reads several /proc and cgroup files (hundreds of us): a
+        # ring's small messages never do, its creation asked for them.  No
+        # page is taken for it now: a chunk holds only what was written.
+        self.asked_first = min(CHECK_STEP, self.max_chunk_bytes) if checked else 0
         return self
 
     # -- the writer's turn -------------------------------------------------
@@ -271,7 +279,8 @@ cdef class RingWriter(RingEnd):
             return 0
         cdef Py_ssize_t want = min(_align(nbytes, RESERVE_STEP), self.max_chunk_bytes)
         cdef Py_ssize_t have = self.reserved[idx]
-        cdef Py_ssize_t asked = min(_align(have, CHECK_STEP), self.max_chunk_bytes)
+        cdef Py_ssize_t asked = max(min(_align(have, CHECK_STEP), self.max_chunk_bytes),
+                                    self.asked_first)
         cdef Py_ssize_t check = 0
         if want > asked:
             check = min(_align(want, CHECK_STEP), self.max_chunk_bytes) - have

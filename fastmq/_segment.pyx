@@ -31,6 +31,8 @@ from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport close as c_close, ftruncate
 from posix.types cimport off_t
 
+from fastmq._memory cimport check_memory as _check_memory
+
 cdef extern from "fmq_populate.h" nogil:
     int fmq_populate(char *p, size_t n)
     int fmq_have_populate()
@@ -53,87 +55,9 @@ cdef extern from "sys/mman.h" nogil:
 import os
 
 
-class ShmFullError(RuntimeError):
-    """The memory that a shared-memory segment needed could not be had.
-
-    Raised instead of the fault that touching an unbacked page would be:
-    nothing was written, and the same call works again once memory is
-    back."""
-
-
-def shm_full_error(str what, Py_ssize_t needed, str name):
-    mib = float(1 << 20)
-    avail = memory_available()
-    return ShmFullError(
-        "%s needs %.1f MiB of shared memory in segment %r, which this host (or this "
-        "container's memory limit) cannot give now (%s available). Nothing was "
-        "sent or created; free memory or raise the limit, then retry."
-        % (what, needed / mib, name,
-           "%.1f MiB" % (avail / mib) if avail >= 0 else "unknown"))
-
-
-cdef bytes _read(str path):
-    # os.open/os.read, not open(): no Python-level io (and its decoders) on a
-    # writer's path.  These files are a few KiB at most.
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return b""
-    try:
-        return os.read(fd, 1 << 16)
-    except OSError:
-        return b""
-    finally:
-        os.close(fd)
-
-
-cdef long long _read_int(str path):
-    text = _read(path).strip()
-    return int(text) if text.isdigit() else -1
-
-
-def memory_available():
-    """Bytes of memory a new page of shared memory can still come from: the
-    host's ``MemAvailable``, or this process's memory cgroup's room if that
-    is less; -1 when unknown.
-
-    Asked before pages are allocated on purpose: an anonymous memory file
-    has no size limit of its own, so allocating past what the host has
-    does not fail, it wakes the OOM killer."""
-    cdef long long avail = -1, limit, used
-    for line in _read("/proc/meminfo").split(b"\n"):
-        if line.startswith(b"MemAvailable:"):
-            avail = int(line.split()[1]) * 1024
-            break
-    for line in _read("/proc/self/cgroup").split(b"\n"):
-        parts = line.split(b":", 2)
-        if len(parts) != 3:
-            continue
-        controllers, path = parts[1], parts[2].decode(errors="replace")
-        if controllers == b"":              # v2: the unified hierarchy
-            base = "/sys/fs/cgroup" + path
-            limit, used = _read_int(base + "/memory.max"), _read_int(base + "/memory.current")
-        elif b"memory" in controllers.split(b","):
-            base = "/sys/fs/cgroup/memory" + path
-            limit = _read_int(base + "/memory.limit_in_bytes")
-            used = _read_int(base + "/memory.usage_in_bytes")
-        else:
-            continue
-        if 0 < limit < (1LL << 62) and used >= 0:
-            room = max(0, limit - used)
-            avail = room if avail < 0 else min(avail, room)
-    return avail
-
-
-cdef int _check_memory(str what, Py_ssize_t nbytes, str name) except -1:
-    # memory_available() reads a few /proc and cgroup files (tens of us):
-    # callers that grow a range a page at a time ask once per larger step.
-    if nbytes <= 0:
-        return 0
-    avail = memory_available()
-    if 0 <= avail < nbytes:
-        raise shm_full_error(what, nbytes, name)
-    return 0
+# The memory check before pages are allocated lives in fastmq._memory; these
+# names stay importable from here.
+from fastmq._memory import ShmFullError, memory_available, shm_full_error
 
 
 cdef object _os_error(int err, str what, str name):

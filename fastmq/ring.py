@@ -105,7 +105,7 @@ class ShmRingBuffer:
                     seg, n_reader, max_chunk_bytes, max_chunks,
                     _config.wait_mode_code(wait_mode),
                     int(_config.spin_us(spin_us) * 1000), pid, started,
-                    _proc.pid_namespace(),
+                    _proc.pid_namespace(), checked=True,
                 )
             except BaseException:
                 seg.close()

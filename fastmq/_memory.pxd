@@ -1,0 +1,1 @@
+cdef int check_memory(str what, Py_ssize_t nbytes, str name) except -1
