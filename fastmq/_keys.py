@@ -36,11 +36,14 @@ gets READY; a writer that does not hold it cannot make a READY that opens.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
 import os
 import secrets
+import shlex
+import stat
 import types
 
 from fastmq import _seal
@@ -94,12 +97,7 @@ def deployment_secret() -> bytes | None:
     if value is not None and path is not None:
         raise ValueError(f"fastmq: both {SECRET_ENV} and {SECRET_FILE_ENV} are set; set one")
     if path is not None:
-        try:
-            with open(path, "rb") as f:
-                secret = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"fastmq: {SECRET_FILE_ENV}={path!r} cannot be read: "
-                             f"{e.strerror}") from None
+        secret = read_secret_file(path).strip()
         where = f"the file {SECRET_FILE_ENV}={path!r}"
     elif value is not None:
         secret, where = value.strip().encode(), SECRET_ENV
@@ -110,6 +108,94 @@ def deployment_secret() -> bytes | None:
                          f"it must be at least {MIN_SECRET_BYTES} (for example the output of "
                          "`openssl rand -hex 32`)")
     return secret
+
+
+# A symlink is followed at most this many times (the kernel's own limit).
+_MAX_LINKS = 40
+
+
+def _trusted_owner(uid: int) -> bool:
+    # Root owns what the kernel, the image or an orchestrator put in place
+    # (a Kubernetes secret volume's links and files, with fsGroup unset).
+    return uid in (os.geteuid(), 0)
+
+
+def _unreadable(path: str, e: Exception) -> ValueError:
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return ValueError(f"fastmq: {SECRET_FILE_ENV}={path!r} cannot be read: {why}")
+
+
+def _refused(path: str, why: str, fix: str) -> ValueError:
+    return ValueError(f"fastmq: {SECRET_FILE_ENV}={path!r} {why}, so fastmq does not use "
+                      f"the deployment secret in it. {fix}")
+
+
+def read_secret_file(path: str) -> bytes:
+    """The bytes of the secret file ``path``, refused (``ValueError`` naming
+    the file and what to change) unless only its owner may read it, as ssh
+    refuses a private key: the file is a regular file owned by this
+    process's (effective) user or by root, with no group or other
+    permission bit, and the name, if a symlink, and each symlink it leads
+    through to the file are owned by this user or by root.  Anyone else
+    who could read the secret could pose as any writer or reader of every
+    queue; anyone who could write it, or retarget a link to it, could
+    choose it."""
+    where = path
+    for _ in range(_MAX_LINKS):
+        try:
+            st = os.lstat(where)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(where)
+        except (OSError, ValueError) as e:      # ValueError: a NUL in the name
+            raise _unreadable(path, e) from None
+        if not stat.S_ISLNK(st.st_mode):
+            break
+        if not _trusted_owner(st.st_uid):
+            raise _refused(path, f"is reached through the symlink {where!r}, owned by uid "
+                           f"{st.st_uid}, which may point it anywhere",
+                           "Name the file itself, or a link owned by this user or root.")
+        where = os.path.join(os.path.dirname(where), target)
+    else:
+        raise _unreadable(path, OSError(errno.ELOOP, f"more than {_MAX_LINKS} symlinks"))
+    try:
+        # O_NOFOLLOW: the links were checked above, and one swapped in since
+        # is refused rather than followed.  O_NONBLOCK: a FIFO planted there
+        # must not hang the process; it is refused below.
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    try:
+        st = os.fstat(fd)
+        # What to change is the file itself, wherever the name points.
+        file = shlex.quote(where)
+        it = "it" if where == path else f"the file it points to, {where!r},"
+        if not stat.S_ISREG(st.st_mode):
+            raise _refused(path, "is not a regular file" if where == path else
+                           f"points to {where!r}, which is not a regular file",
+                           "Put the secret in a regular file.")
+        if not _trusted_owner(st.st_uid):
+            raise _refused(path, f"{'is' if where == path else 'points to a file'} owned by "
+                           f"uid {st.st_uid}, not by this process's user (uid "
+                           f"{os.geteuid()}) or root",
+                           f"Give {it} to this user: `chown {os.geteuid()} {file}`.")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            acts = [a for a, bits in (("read", 0o044), ("write", 0o022), ("execute", 0o011))
+                    if mode & bits]
+            raise _refused(path, f"{'has' if where == path else 'points to a file with'} "
+                           f"mode {mode:04o}: users other than its owner may "
+                           f"{' and '.join(acts)} it",
+                           f"Make {it} readable by its owner only: `chmod 600 {file}`.")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    finally:
+        os.close(fd)
 
 
 def _key_id(psk: bytes) -> bytes:

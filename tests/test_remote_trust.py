@@ -120,6 +120,7 @@ def test_a_reader_with_the_secret_refuses_a_handle_that_does_not_use_it(monkeypa
 def test_the_secret_from_a_file_and_what_is_refused(monkeypatch, tmp_path):
     path = tmp_path / "secret"
     path.write_bytes(SECRET.encode() + b"\n")
+    path.chmod(0o600)       # owner only: a secret others may read is refused
     monkeypatch.setenv(_keys.SECRET_FILE_ENV, str(path))
     assert _keys.deployment_secret() == SECRET.encode()
     w, r, _ = _remote()
