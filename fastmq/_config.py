@@ -164,3 +164,19 @@ def ring_geometry(max_chunk_bytes: int, max_chunks: int) -> tuple[int, int]:
     n = env_int("FASTMQ_MAX_CHUNKS", None, minimum=1)
     return (mb << 20 if mb is not None else max_chunk_bytes,
             n if n is not None else max_chunks)
+
+
+# How long a remote peer may stay silent (no byte, no heartbeat, no TCP
+# acknowledgement) before it is declared gone: its node died, or the link
+# or a firewall drops everything, and no FIN or reset will ever come.
+# Long enough for a busy process's heartbeat thread to get the GIL, short
+# enough that a vLLM node whose engine's node died ends by itself.
+DEFAULT_PEER_TIMEOUT_S = 10.0
+MIN_PEER_TIMEOUT_S = 1.0    # TCP's keepalive timers count whole seconds
+
+
+def peer_timeout_s() -> float:
+    """``FASTMQ_PEER_TIMEOUT_S``: seconds of silence after which a remote
+    peer is declared gone (at least 1)."""
+    return env_float("FASTMQ_PEER_TIMEOUT_S", DEFAULT_PEER_TIMEOUT_S,
+                     minimum=MIN_PEER_TIMEOUT_S)

@@ -29,10 +29,12 @@ import sys
 import threading
 import time
 
-from fastmq import _keys, _pools, _seal, _wire
+from fastmq import _config, _keys, _liveness, _pools, _seal, _wire
+from fastmq._fanout_live import FanoutLiveness
+from fastmq._fanout_send import FanoutSending
 from fastmq._gone import ReaderGoneError
 from fastmq._outbox import Outbox
-from fastmq._wire import CHALLENGE, HELLO, MAGIC, READY, PeerGone
+from fastmq._wire import CHALLENGE, HELLO, MAGIC, READY, PeerGone, PeerSilent
 
 logger = logging.getLogger("fastmq")
 
@@ -46,7 +48,8 @@ _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 class _Joining:
     """A connection that has not proven it is a reader yet."""
 
-    __slots__ = ("sock", "peer", "since", "hs", "challenge", "got", "identity", "ready")
+    __slots__ = ("sock", "peer", "since", "hs", "challenge", "got", "identity", "ready",
+                 "nonce")
 
     def __init__(self, sock, peer, hs: _keys.Handshake, mode_code: int):
         self.sock, self.peer, self.hs = sock, peer, hs
@@ -55,20 +58,32 @@ class _Joining:
         self.got = b""
         self.identity = None   # (rank, pid) once proven
         self.ready = b""       # its READY's wrapped key, once proven
+        self.nonce = b""       # its handshake nonce (its heartbeats' key)
 
 class _Reader:
     """A remote reader's connection after the handshake."""
 
-    __slots__ = ("sock", "fd", "rank", "pid", "out", "error")
+    __slots__ = ("sock", "fd", "rank", "pid", "out", "error", "addr", "alive_seal",
+                 "alive_counter", "heard", "heard_seq", "inbox", "gone", "token")
 
-    def __init__(self, sock, rank, pid):
+    def __init__(self, sock, rank, pid, addr="?", alive_seal=None):
         self.sock, self.fd, self.rank, self.pid = sock, sock.fileno(), rank, pid
         self.out = Outbox()
         self.error: str | None = None
+        # Liveness (fastmq._fanout_live): its heartbeats' seal, the last
+        # counter and when it came, what is left of a partial one, why it is
+        # gone (set by the heartbeat thread), what the last pulse saw sent.
+        self.addr, self.alive_seal = addr, alive_seal
+        self.alive_counter, self.heard, self.heard_seq = 0, 0.0, 0
+        self.inbox = bytearray()
+        self.gone: tuple | None = None
+        self.token = None
 
     def write(self) -> int:
         try:
             return self.out.write(self.fd)
+        except TimeoutError as e:    # ETIMEDOUT: the kernel gave up on its node
+            raise PeerSilent(e.strerror or str(e)) from e
         except OSError as e:
             raise PeerGone(str(e)) from e
 
@@ -76,7 +91,7 @@ class _Reader:
         return f"remote reader rank {self.rank} (pid {self.pid} on its node)"
 
 
-class Fanout:
+class Fanout(FanoutSending, FanoutLiveness):
     """The writer's end: the handshake, then the messages, to every remote
     reader; ``psk`` is the queue's pre-shared key (None: ``"none"``)."""
 
@@ -87,6 +102,13 @@ class Fanout:
         # them only lets its copies go (see close).
         self._pid = os.getpid()
         self.psk = psk
+        # Silence longer than this is a reader gone (fastmq._liveness).
+        self.peer_timeout = _config.peer_timeout_s()
+        # Held by whatever puts bytes on the readers' sockets outside a
+        # message's send: the heartbeat thread, and begin() (a message
+        # starts only once no heartbeat is half-way).
+        self._lock = threading.RLock()
+        self._gone_pending = False   # the heartbeat thread marked a reader gone
         self.mode_code = _wire.MODE_CODES[security]
         # The message key: random per queue, handed to each reader under
         # its connection's own key, never derived from what crosses the wire.
@@ -177,16 +199,20 @@ class Fanout:
                 self.failed = (f"remote reader rank {rank} (pid {pid} on its node) dropped "
                                f"its connection during the handshake ({e})")
                 raise RuntimeError(f"fastmq: {self.failed}") from e
-            self.readers.append(_Reader(j.sock, rank, pid))
+            self.readers.append(_Reader(j.sock, rank, pid, j.peer[0],
+                                        self.seal.for_reader(j.nonce)))
         for j in self._joining:
             if j.identity is None:
                 j.sock.close()
         self._joining = []
         self.listener.close()
         self.listener = None
+        # A hangup or an error; what readers send (heartbeats) is read by
+        # the heartbeat thread.
         self._poll = select.poll()
         for r in self.readers:
-            self._poll.register(r.fd, select.POLLIN | _wire.HUP)
+            self._poll.register(r.fd, _wire.HUP)
+        self.start_liveness()
         return True
 
     def _accept(self, now: float) -> None:
@@ -213,6 +239,9 @@ class Fanout:
                              f"{MAX_UNPROVEN} unproven ones are held", "dropped")
             try:
                 _wire.tune(sock)
+                # The kernel gives up on a silent node (keepalive); no user
+                # timeout: a live reader may let data wait (see _liveness).
+                _liveness.tune(sock, self.peer_timeout, user_timeout=False)
                 j = _Joining(sock, peer, _keys.Handshake(self.psk), self.mode_code)
                 sock.sendall(j.challenge)
             except OSError:
@@ -230,7 +259,16 @@ class Fanout:
             data = j.sock.recv(4096)
         except BlockingIOError:
             return
-        except OSError:
+        except OSError as e:
+            if isinstance(e, TimeoutError) and j.identity is not None:
+                # Its node went silent before the handshake completed: the
+                # rank may connect again (a new process).
+                rank, pid = j.identity
+                logger.warning("fastmq: remote reader rank %d (pid %d on its node) at %s went "
+                               "silent during the handshake (the kernel timed the connection "
+                               "out: %s, keepalive unanswered for about %g s): dropped; the "
+                               "writer waits for that rank to connect again", rank, pid,
+                               j.peer[0], e.strerror, self.peer_timeout)
             data = b""
         if not data:
             # Gone before READY: a reader that died, or a stranger.
@@ -252,7 +290,7 @@ class Fanout:
             return
         if len(j.got) > HELLO.size:
             return self._reject(j, "sent more than a hello")
-        magic, rank, pid, _nonce, public, proof = HELLO.unpack(j.got)
+        magic, rank, pid, nonce, public, proof = HELLO.unpack(j.got)
         if magic != MAGIC:
             return self._reject(j, "is not a fastmq reader")
         transcript = j.challenge + j.got[:HELLO.size - _keys.PROOF_BYTES]
@@ -263,6 +301,7 @@ class Fanout:
         except ValueError:
             return self._reject(j, "sent an unusable public key")
         j.ready = wrapped
+        j.nonce = nonce
         j.identity = (rank, pid)
 
     def _drop(self, j: _Joining) -> None:
@@ -314,18 +353,13 @@ class Fanout:
         """Raise if a reader's connection closed or broke since the
         handshake (it can never take another message), or if the queue's
         remote side is broken for an earlier reason."""
+        if self._gone_pending:
+            self.apply_gone()
         events = self._poll.poll(0) if self.broken is None and self._poll is not None else ()
         if events:
             for fd, _ in events:
                 r = next(r for r in self.readers if r.fd == fd)
-                try:
-                    data = r.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                why = "sent bytes after the handshake" if data else "disconnected"
-                self._break(r, why)
+                self._hung_up(r)
                 break
         if self.broken is not None:
             raise self.broken_error()
@@ -337,236 +371,39 @@ class Fanout:
         text, rank, pid, how = self.broken
         return ReaderGoneError(f"fastmq: {text}", rank, pid, how)
 
-    def _break(self, r: _Reader, why: str) -> None:
+    def _hung_up(self, r: _Reader) -> None:
+        """``r``'s connection reported a hangup or an error: closed, or
+        timed out by the kernel (its node went silent)."""
+        err = r.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err == errno.ETIMEDOUT:
+            self._break(r, self._silent_text(
+                r, f"the kernel timed the connection out ({os.strerror(err)}: keepalive "
+                "unanswered)", time.monotonic()), "silent")
+        else:
+            self._break(r, f"disconnected{f' ({os.strerror(err)})' if err else ''}")
+
+    def _break(self, r: _Reader, why: str, how: str | None = None) -> None:
+        """``r`` can take no more messages: ``why`` is how it went (a
+        sentence of its own where ``how`` is given)."""
         r.error = why
         r.out.clear()
-        self.broken = (
-            f"{r.describe()} {why} from the writer after the handshake: it died or its "
-            "node is unreachable; messages sent since would not reach it, and a remote "
-            "reader cannot rejoin a running queue",
-            r.rank, r.pid, "misbehaved" if why.startswith("sent bytes") else "disconnected")
+        if how is None:
+            how = "disconnected"
+            why = (f"{r.describe()} {why} from the writer after the handshake: it died or "
+                   "its node is unreachable; messages sent since would not reach it, and a "
+                   "remote reader cannot rejoin a running queue")
+        if how == "silent":
+            try:    # a reader only cut off learns it, if the link comes back
+                r.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.broken = (why, r.rank, r.pid, how)
 
     def cancel(self) -> None:
         """The queue is shutting down: a wait for a message that is not
         committed yet raises ``RuntimeError("cancelled")``; a committed one
         is still sent."""
         self.cancelled.set()
-
-    def _owed(self) -> bool:
-        return self._message is not None or \
-            any(r.out.owed for r in self.readers if r.error is None)
-
-    def wait_drained(self, until: float | None) -> None:
-        """Wait (as ``_wire.wait`` does: deadline, ``cancel()``) until the
-        rest of an earlier message is out: what the drain thread sends, or
-        what an exception left unsent."""
-        t = self._drainer
-        while t is not None and t.is_alive():
-            if self.cancelled.is_set():
-                raise RuntimeError("cancelled")
-            slice_s = _wire.SLICE_S
-            if until is not None:
-                slice_s = min(slice_s, until - time.monotonic())
-                if slice_s <= 0:
-                    raise TimeoutError("fastmq: a remote reader did not take the previous "
-                                       "message in time")
-            t.join(slice_s)
-        self._drainer = None
-        if self._owed():
-            self._push(until, self.cancelled, committing=False)
-
-    # A message goes out as batches of sealed parts (Outgoing.batch), each
-    # computed once, when the fastest reader needs it; each reader's outbox
-    # counts the batches it was given, so a reader that is ahead is not
-    # held to a slower one's pace, only the message as a whole is
-    # (enqueue() returns once every reader has all of it).  Under
-    # "encrypt" the batches between the slowest reader and the fastest are
-    # ciphertext the writer keeps: the fastest is held within
-    # CIPHER_LEAD_BATCHES of the slowest, so that they fit the pool.
-    @property
-    def next_seq(self) -> int:
-        return self._last_seq + 1
-
-    def begin(self, buffers: list) -> _wire.Outgoing:
-        """Start sending the next message: it takes the next seal counter
-        (gone for good, whatever happens next) and the next sequence
-        number.  The outboxes count its bytes from here (``committed``)."""
-        seq = self._last_seq + 1
-        for r in self.readers:
-            r.out.mark()
-        self._marked = seq
-        message = _wire.Outgoing(self.seal, next(self._counters), seq, buffers,
-                                 self._ciphertexts)
-        self._message, self._sealed, self._dropped = message, [], 0
-        return message
-
-    def committed(self, seq: int) -> bool:
-        """Whether some byte of message ``seq`` reached a reader's socket
-        (counted by the outboxes with the write itself)."""
-        return self._marked == seq and self.written_any
-
-    @property
-    def written_any(self) -> bool:
-        """Whether some byte of the message begun last reached a socket."""
-        return any(r.out.sent for r in self.readers)
-
-    def commit(self) -> None:
-        """The current message is the readers' now: its sequence number is used."""
-        self._last_seq = self._marked
-
-    def _refill(self, r: _Reader, bounded: bool = True) -> bool | None:
-        """Queue ``r``'s next batch; False when it has the whole message,
-        None when it is held back (``bounded``, "encrypt": the lead)."""
-        m = self._message
-        k = r.out.batches
-        if m is None or k >= m.n_batches:
-            return False
-        if self._ciphertexts is not None and m.n_batches > 1:
-            # A batch every reader has been given is theirs alone now: its
-            # blocks go back to the pool once the sockets took them.  (A
-            # one-batch message, a step's, has nothing to drop or hold.)
-            low = min([x.out.batches for x in self.readers if x.error is None], default=0)
-            while self._dropped < low:
-                self._sealed[self._dropped] = None
-                self._dropped += 1
-            if bounded and k - low >= _wire.CIPHER_LEAD_BATCHES:
-                return None
-        if k == len(self._sealed):
-            self._sealed.append(m.batch(k))
-        r.out.add(self._sealed[k])
-        return True
-
-    def discard(self, seq: int) -> None:
-        """Drop message ``seq``, of which nothing was written (the rest of
-        an earlier one, not begun over, stays)."""
-        if self._marked != seq:
-            return
-        self._message, self._sealed, self._dropped = None, [], 0
-        for r in self.readers:
-            r.out.clear()
-
-    def push(self, until: float | None, cancellable: bool = False,
-             until_commit: bool = False) -> bool:
-        """Write the message to every reader; True once all of it is in the
-        kernel (or, ``until_commit``, once its first byte is).
-
-        Before the first byte of the message is written (``written_any``),
-        ``until`` raises ``TimeoutError`` and, if ``cancellable``,
-        ``cancel()`` raises ``RuntimeError("cancelled")``: nothing was sent.
-        After it, the message is committed: ``cancel()`` no longer stops
-        it, and ``until`` returns False (the caller then has what is left
-        copied and sent in the background, ``keep_rest``).  A reader whose
-        connection breaks is dropped (``broken`` says which); if every
-        reader's broke before the first byte, nothing is committed, and
-        ``until_commit`` raises ``broken_error()``."""
-        done = self._push(until, self.cancelled if cancellable else None, True, until_commit)
-        if until_commit and not self.written_any:
-            raise self.broken_error()
-        return done
-
-    def _push(self, until: float | None, stop, committing: bool,
-              until_commit: bool = False) -> bool:
-        """``push``; ``committing=False``: only the rest of an earlier
-        message is left, and ``until`` and ``stop`` apply throughout."""
-        active = [r for r in self.readers if r.error is None]
-        while active:
-            waiting, held = [], []
-            for r in active:
-                try:
-                    while True:
-                        if r.out.owed:
-                            r.write()
-                        if r.out.owed:
-                            break
-                        more = self._refill(r)
-                        if not more:
-                            if more is None:
-                                held.append(r)
-                            break
-                except PeerGone as e:
-                    self._break(r, f"disconnected ({e})")
-                    continue
-                if r.out.owed:
-                    waiting.append(r)
-            # A held reader waits for the slowest, which is never held: it
-            # was given another batch or waits for its socket (``waiting``).
-            if not waiting:
-                if held:
-                    active = held
-                    continue
-                break
-            if until_commit and self.written_any:
-                return True
-            active = waiting + held
-            committed = committing and self.written_any
-            try:
-                _wire.wait([(r.fd, select.POLLOUT) for r in waiting], until,
-                           None if committed else stop)
-            except TimeoutError:
-                if committed:
-                    return False
-                raise TimeoutError(f"fastmq: {', '.join(r.describe() for r in waiting)} "
-                                   "did not take the message in time") from None
-        # Every reader has it all: nothing of the caller's is referenced now.
-        self._message, self._sealed, self._dropped = None, [], 0
-        return True
-
-    def keep_rest(self) -> None:
-        """Past a deadline (or an exception) after the commit: what each
-        reader has still to get is sealed now and becomes its own copy, so
-        that nothing the caller owns is referenced once ``enqueue()``
-        returns; a thread sends it, and the next message waits for that
-        thread first."""
-        if (self._drainer is not None and self._drainer.is_alive()) or not self._owed():
-            return   # (called again by an exception's path, or nothing is left)
-        copies: dict = {}   # a part queued for several readers is copied once
-        for r in self.readers:
-            if r.error is None:
-                while self._refill(r, bounded=False):
-                    pass
-                r.out.own_rest(copies)
-        self._message, self._sealed, self._dropped = None, [], 0
-        # Sent in the background: the caller may wait for the readers'
-        # answers before it enqueues again (vLLM's engine does).
-        self._drainer = threading.Thread(target=self._drain, name="fastmq-remote-drain",
-                                         daemon=True)
-        self._drainer.start()
-
-    def _drain(self) -> None:
-        try:
-            self._push(None, self._closing, committing=False)
-        except RuntimeError:   # closed first (see close)
-            pass
-        except BaseException as e:
-            logger.warning("fastmq: sending the rest of a remote message failed: %r", e)
-
-    def end_stream(self, grace_s: float) -> None:
-        """Send every reader the sealed end of the stream, after the last
-        message: a reader then tells this clean close from a cut connection
-        or a tail of messages dropped on the way.  At most ``grace_s`` for
-        it to be taken; once."""
-        if self._ended or self.listener is not None or self._owed():
-            return
-        self._ended = True
-        parts = _wire.end_of_stream(self.seal, next(self._counters), self._last_seq)
-        waiting = [r for r in self.readers if r.error is None]
-        for r in waiting:
-            r.out.mark()
-            r.out.add(parts)
-        until = time.monotonic() + grace_s
-        while waiting:
-            for r in list(waiting):
-                try:
-                    r.write()
-                except PeerGone:
-                    r.out.clear()
-                if not r.out.owed:
-                    waiting.remove(r)
-            try:
-                if waiting:
-                    _wire.wait([(r.fd, select.POLLOUT) for r in waiting], until, None)
-            except TimeoutError:
-                return
 
     def close(self, linger=None) -> None:
         """Close every socket, after the end of the stream.  What
@@ -580,6 +417,7 @@ class Fanout:
         if os.getpid() != self._pid:
             self._close_sockets()
             return
+        _liveness.PULSE.discard(self)
         t = self._drainer
         if t is not None and t.is_alive():
             t.join(self.CLOSE_GRACE_S)

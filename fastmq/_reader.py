@@ -455,6 +455,8 @@ class RemoteReader:
     def wait_until_ready(self) -> None:
         try:
             self.stream.handshake()
+        except _wire.PeerSilent as e:
+            raise self._silence(e, "during the handshake") from None
         except _wire.WriterSpeaksZMTP:
             raise HandleMismatchError(
                 "this remote reader uses fastmq, but the writer at "
@@ -488,6 +490,19 @@ class RemoteReader:
         pid = getattr(self.handle, "writer_pid", None)
         return f"the writer{f' (pid {pid})' if pid else ''} at {self.handle.remote_subscribe_addr}"
 
+    def _silence(self, e: _wire.PeerSilent, when: str) -> WriterGoneError:
+        """A writer whose node went silent (fastmq._liveness): gone, as a
+        cut connection is (``clean=False``), in words that say it was
+        silence, not a close."""
+        last = f"; last heard from it: {e.last}" if e.last else ""
+        after = (f"; message {self.stream.last_seq} was the last received, and a remote "
+                 "reader cannot rejoin a running queue") if self._ready else ""
+        return WriterGoneError(
+            f"fastmq: remote reader rank {self.stream.rank}: {self._writer()} went silent "
+            f"{when}: {e.what}{last}. Its node died or became unreachable, or the link drops "
+            "everything: silence, not a close (no end of the stream, no closed connection "
+            f"came){after}", clean=False)
+
     def _before_handshake(self, timeout: float | None):
         """``dequeue()`` before ``wait_until_ready()`` returned: the stream
         holds the writer's challenge, not messages (reading it as one would
@@ -518,6 +533,8 @@ class RemoteReader:
             raise WriterGoneError(f"fastmq: {self._writer()} shut the queue down after message "
                                   f"{e.last_seq}; every message it sent was received",
                                   clean=True) from None
+        except _wire.PeerSilent as e:
+            raise self._silence(e, "while this reader waited for a message") from None
         except _wire.PeerGone:
             raise WriterGoneError(
                 f"fastmq: the connection to {self._writer()} was cut before the writer "

@@ -104,6 +104,16 @@ class Seal:
         # no libcrypto loads, every tag comes through cryptography.
         self._gmac = Gmac(key) if gmac_available() else None
 
+    def for_reader(self, reader_nonce: bytes) -> "Seal":
+        """The seal of one reader's heartbeats to its writer: under a key of
+        their own, derived from the message key and the reader's handshake
+        nonce (unique per connection), so that the reader's counter never
+        meets a nonce the writer, or another reader, uses."""
+        if self.key is None:
+            return Seal("none", None)
+        from fastmq._keys import hkdf
+        return Seal("mac", hkdf(self.key, None, b"fastmq reader heartbeat" + reader_nonce))
+
     def tag_header(self, counter: int, header) -> bytes:
         """A header's tag: authenticated, never encrypted (a reader needs
         the frame lengths before it can take the frames)."""

@@ -12,7 +12,6 @@ check fails the stream cannot be trusted again: every later call says so.
 """
 from __future__ import annotations
 
-import errno
 import inspect
 import os
 import select
@@ -21,12 +20,13 @@ import struct
 import threading
 import time
 
-from fastmq import _keys, _seal, _wire
+from fastmq import _config, _liveness, _seal, _wire
 from fastmq._recv_buffers import BufferPool, copy_streaming
 from fastmq._piecewise import PiecewiseFile
+from fastmq._stream_hello import StreamHello
 from fastmq._ring import CorruptChunkError
-from fastmq._wire import (CHALLENGE, END, HEAD, HELLO, MAGIC, PREAMBLE, READY, SEGMENT_BYTES,
-                          SEGMENTED, WHOLE, WHOLE_BYTES, PeerGone, WriterSpeaksZMTP)
+from fastmq._wire import (END, HEAD, HEARTBEAT, SEGMENT_BYTES, SEGMENTED, WHOLE, WHOLE_BYTES,
+                          PeerGone, PeerSilent)
 
 
 class StreamEnded(Exception):
@@ -60,7 +60,7 @@ LONG_WAITS = 4
 STREAMING_STORE_BYTES = 32 << 20
 
 
-class Stream:
+class Stream(StreamHello):
     """A remote reader's end.  ``recv`` is resumable: a deadline that passes
     in the middle of a message leaves it half-read, and the next call goes
     on from there (a ``dequeue()`` that timed out consumed nothing)."""
@@ -69,8 +69,12 @@ class Stream:
     DIRECT_BYTES = 64 * 1024    # reads this large go straight into the frame
 
     def __init__(self, address: str, ipv6: bool, security: str, psk: bytes | None,
-                 rank: int, keep_bytes: int = 0, fill_threads: int = 1):
+                 rank: int, keep_bytes: int = 0, fill_threads: int = 1,
+                 peer_timeout: float | None = None):
         self.security = security
+        # Silence longer than this is the writer gone (fastmq._liveness).
+        self.peer_timeout = (_config.peer_timeout_s() if peer_timeout is None
+                             else peer_timeout)
         self.psk = psk
         self.seal: _seal.Seal | None = _seal.Seal("none", None) if security == "none" else None
         self.address = address
@@ -79,6 +83,9 @@ class Stream:
         self.sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET,
                                   socket.SOCK_STREAM)
         _wire.tune(self.sock)
+        # A reader sends only heartbeats after the handshake, which its
+        # writer reads at once: a user timeout never cuts a live writer.
+        _liveness.tune(self.sock, self.peer_timeout, user_timeout=True)
         self.fd = self.sock.fileno()
         self._connect_error = self.sock.connect_ex((host, port))
         self._inbox = bytearray(self.INBOX_BYTES)
@@ -104,6 +111,18 @@ class Stream:
         self._counter = 0    # its seal counter
         self._failed: BaseException | None = None   # the check that failed, for good
         self.ended: StreamEnded | None = None
+        # Liveness, once the handshake is over: when bytes were last seen
+        # (time.perf_counter) and the count then; heartbeats taken; the
+        # silence that ended the stream, for good.
+        self._live = False
+        self._heard_at = 0.0
+        self._heard_n = 0
+        self._heartbeats = 0
+        self._heartbeat_after = -1    # last_seq when the last heartbeat came
+        self._silent: PeerSilent | None = None
+        self._alive_seal = None       # this reader's heartbeats (Seal.for_reader)
+        self._alive_counter = 0
+        self._alive_due = 0.0         # when the next one is due (time.monotonic)
         # Set by the reader's shutdown() (see cancel).
         self.cancelled = threading.Event()
 
@@ -129,6 +148,9 @@ class Stream:
         (``message``: ``gen`` takes a message; the handshake's waits do
         not count.)"""
         start = time.perf_counter()
+        if self._received != self._heard_n:
+            # Bytes were taken since the last look: heard at the latest now.
+            self._heard_n, self._heard_at = self._received, start
         first = self._received if message else -1
         spin_until = start + (self.spin_s if self._long_waits < LONG_WAITS or not message
                               else 0.0)
@@ -155,6 +177,11 @@ class Stream:
                 # this one to get off its core).
                 os.sched_yield()
                 continue
+            if self._live:
+                if self._received != self._heard_n:
+                    self._heard_n, self._heard_at = self._received, now
+                elif now - self._heard_at > self.peer_timeout:
+                    self._went_silent(now)
             try:
                 _wire.wait([(self.fd, select.POLLIN)], until, self.cancelled)
             except TimeoutError:
@@ -186,6 +213,11 @@ class Stream:
             k = self.sock.recv_into(view)
         except BlockingIOError:
             return None
+        except TimeoutError as e:    # ETIMEDOUT: the kernel gave up on the writer's node
+            self._fail_silent(PeerSilent(
+                f"the kernel timed the connection out ({e.strerror}: keepalive or "
+                f"heartbeats unacknowledged for the bound, FASTMQ_PEER_TIMEOUT_S, of "
+                f"{self.peer_timeout:g} s)", self.last_heard() if self._live else ""))
         except OSError as e:
             raise PeerGone(str(e)) from e
         if k == 0:
@@ -220,100 +252,6 @@ class Stream:
                 out[have:] = self._take(len(rest))
                 have = len(out)
 
-    # -- handshake -------------------------------------------------------------------
-    # The reader's half runs in two steps: a short-lived thread, started
-    # with the reader, connects and answers the writer's challenge, so the
-    # writer's wait_until_ready() can complete even before this reader's is
-    # called (as it can with local readers, in one thread); then
-    # wait_until_ready() waits for the writer's READY and opens it.
-    def start_hello(self) -> None:
-        self._hello_error = None
-        self._hs = self._transcript = self._writer_public = None
-        self._hello_thread = threading.Thread(target=self._hello, daemon=True,
-                                              name="fastmq-remote-hello")
-        self._hello_thread.start()
-
-    def _hello(self) -> None:
-        try:
-            if self._connect_error not in (0, errno.EINPROGRESS):
-                self._refused(self._connect_error)
-            while not _wire.wait([(self.fd, select.POLLOUT)], None, self.cancelled):
-                pass   # the connect completes (or fails) first
-            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                self._refused(err)
-            self._drive(self._answer_challenge(), None)
-        except BaseException as e:
-            self._hello_error = e
-
-    def handshake(self) -> None:
-        t = self._hello_thread
-        while t.is_alive():
-            if self.cancelled.is_set():
-                raise RuntimeError("cancelled")
-            t.join(_wire.SLICE_S)
-        try:
-            if self._hello_error is not None:
-                raise self._hello_error
-            self._drive(self._await_ready(), None)
-        except PeerGone:
-            raise RuntimeError(
-                f"fastmq: the writer at {self.address} closed the connection during the "
-                "handshake: it is gone, it did not accept this reader's key, or its "
-                "handshake completed without this reader (a reader cannot join, or after "
-                "a disconnect rejoin, a queue once the writer's wait_until_ready() has "
-                "returned; create a new queue)") from None
-        finally:
-            self._hello_error = None
-
-    def _refused(self, err: int) -> None:
-        raise RuntimeError(
-            f"fastmq: cannot connect to the writer at {self.address} "
-            f"({os.strerror(err)}): the writer is gone, or its handshake completed "
-            "without this reader (a reader cannot join, or after a disconnect rejoin, a "
-            "queue once the writer's wait_until_ready() has returned; create a new queue)")
-
-    def _answer_challenge(self):
-        yield from self._ensure(_wire.ZMTP_SIGNATURE_LEN)
-        if _wire.is_zmtp(bytes(self._mv[self._lo:self._hi])):
-            raise WriterSpeaksZMTP()
-        magic, version, mode = PREAMBLE.unpack_from(self._mv, self._lo)
-        if magic != MAGIC or version != _wire.VERSION:
-            raise RuntimeError(f"fastmq: the peer at {self.address} is not a fastmq writer "
-                               f"of this version (protocol {bytes(magic)!r} version "
-                               f"{version}, this reader speaks {_wire.VERSION}): use the "
-                               "same fastmq on every node")
-        if mode != _wire.MODE_CODES[self.security]:
-            raise RuntimeError(f"fastmq: the writer at {self.address} uses remote security "
-                               f"mode {_seal.MODES[mode] if mode < len(_seal.MODES) else mode!r}"
-                               f" but the handle says {self.security!r}")
-        yield from self._ensure(CHALLENGE.size)
-        challenge = bytes(self._take(CHALLENGE.size))
-        _, _, _, _, writer_public = CHALLENGE.unpack(challenge)
-        hs = _keys.Handshake(self.psk)
-        blank = HELLO.pack(MAGIC, self.rank, os.getpid(), hs.nonce, hs.public,
-                           bytes(_keys.PROOF_BYTES))
-        transcript = challenge + blank[:HELLO.size - _keys.PROOF_BYTES]
-        try:
-            self.sock.sendall(blank[:HELLO.size - _keys.PROOF_BYTES] +
-                              hs.prove(b"reader", transcript))
-        except OSError as e:    # as a receive's: the writer reset the connection
-            raise PeerGone(str(e)) from e
-        self._hs, self._transcript, self._writer_public = hs, transcript, writer_public
-
-    def _await_ready(self):
-        yield from self._ensure(READY.size)
-        magic, wrapped = READY.unpack(self._take(READY.size))
-        key = None
-        if magic == MAGIC and self.security != "none":
-            key = self._hs.unwrap(wrapped, self._writer_public, self._transcript)
-        self._hs = self._transcript = None
-        if magic != MAGIC or (self.security != "none" and key is None):
-            raise RuntimeError(f"fastmq: the peer at {self.address} did not prove it is "
-                               "this queue's writer (it does not hold the queue's key)")
-        if key is not None:
-            self.seal = _seal.Seal(self.security, key)
-
     # -- messages --------------------------------------------------------------------
     def recv(self, until: float | None, stream: bool = False) -> list | SegmentStream:
         """The frames of the next message (bytearrays, checked), or, with
@@ -327,6 +265,8 @@ class Stream:
         ``StreamBroken`` (an earlier check failed, or messages were dropped)."""
         if self.ended is not None:
             raise self.ended
+        if self._silent is not None:
+            raise PeerSilent(self._silent.what, self._silent.last)
         if self._failed is not None:
             raise StreamBroken(f"fastmq: remote reader: the stream from {self.address} "
                                f"failed a check earlier ({self._failed}); nothing after it "
@@ -385,6 +325,10 @@ class Stream:
         t = seal.tag_bytes
         yield from self._ensure(HEAD.size)
         kind, counter, seq, n = HEAD.unpack_from(self._mv, self._lo)
+        while kind == HEARTBEAT and n == 0:
+            yield from self._heartbeat(counter, seq)
+            yield from self._ensure(HEAD.size)
+            kind, counter, seq, n = HEAD.unpack_from(self._mv, self._lo)
         if kind not in (WHOLE, SEGMENTED, END) or \
                 not (n == 0 if kind == END else 1 <= n <= _wire.MAX_FRAMES):
             raise CorruptChunkError(f"fastmq: remote reader: a malformed message header from "
@@ -490,6 +434,28 @@ class Stream:
         if not ok:
             raise self._unauthentic(seq)
 
+    def _heartbeat(self, counter: int, seq: int):
+        """Generator: take the writer's heartbeat whose header is next
+        (sealed like an end of the stream: a forged one fails its check, a
+        replayed one repeats a counter, and one naming a later message
+        than the last received says messages were dropped)."""
+        t = self.seal.tag_bytes
+        yield from self._ensure(HEAD.size + t)
+        header = self._take(HEAD.size)
+        if t and not self.seal.check_header(counter, header, self._take(t)):
+            raise self._unauthentic()
+        if t and counter <= self._counter:
+            raise StreamBroken(f"fastmq: remote reader: a heartbeat from {self.address} "
+                               f"repeats seal counter {counter} (a replay)")
+        if seq != self.last_seq:
+            raise StreamBroken(
+                f"fastmq: remote reader: the writer's heartbeat says it sent up to message "
+                f"{seq}, but this reader received only up to message {self.last_seq}: "
+                f"messages were dropped on the way from {self.address}")
+        self._counter = counter
+        self._heartbeats += 1
+        self._heartbeat_after = seq
+
     def _frame_buffer(self, length: int):
         """Writable memory for a received frame.  A large one comes from
         the pool, not zeroed first (``bytearray(n)`` writes every page
@@ -521,6 +487,8 @@ class Stream:
         self._counter, self.last_seq = counter, seq
 
     def close(self, linger=None) -> None:
+        self._live = False
+        _liveness.PULSE.discard(self)
         self.buffers.close()
         try:
             self.sock.close()

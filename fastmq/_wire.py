@@ -25,6 +25,11 @@ Wire format (integers little-endian)::
       followed by its tag
     the end of the stream (the writer closed the queue):
       "FMQe", seal counter, the last sequence number sent, 0, the header's tag
+    a heartbeat, between messages, on a stream idle for a while (fastmq._liveness):
+      "FMQh", seal counter, the last sequence number sent, 0, the header's tag
+    and from reader to writer, the one thing a reader sends after the handshake:
+      "FMQa", the reader's own counter, the last sequence number it took, 0,
+      a tag under the reader's heartbeat key (Seal.for_reader)
 
 The tags (none in security mode ``"none"``; in ``"encrypt"`` the frames are
 ciphertext, the tag after them) are ``fastmq._seal``'s, under the nonce
@@ -44,7 +49,7 @@ import time
 from fastmq import _keys, _seal
 
 MAGIC = b"FMQr"
-VERSION = 2
+VERSION = 3    # 3: heartbeats (an earlier peer is refused in the handshake)
 SLICE_S = 0.1
 SEGMENT_BYTES = 1 << 20
 WHOLE_BYTES = 64 * 1024
@@ -69,6 +74,8 @@ HEAD = struct.Struct("<4sQQI")
 WHOLE = b"FMQw"       # a message sealed whole (small)
 SEGMENTED = b"FMQs"   # a message sealed segment by segment
 END = b"FMQe"         # the writer closed the queue
+HEARTBEAT = b"FMQh"   # the writer is there (an idle stream)
+ALIVE = b"FMQa"       # the reader is there (reader to writer)
 MODE_CODES = {m: i for i, m in enumerate(_seal.MODES)}
 
 # A reader takes a header whole into its inbox: the frame count is bounded
@@ -109,6 +116,17 @@ class PeerGone(ConnectionError):
     """The other end closed the connection (or it broke)."""
 
 
+class PeerSilent(PeerGone):
+    """Nothing came from the other end for the bound (``fastmq._liveness``),
+    or the kernel gave up on it (no acknowledgement, keepalive unanswered):
+    its node died or became unreachable; nothing closed the connection.
+    ``what`` says how it was noticed, ``last`` what was heard last."""
+
+    def __init__(self, what: str, last: str = ""):
+        super().__init__(what)
+        self.what, self.last = what, last
+
+
 class WriterSpeaksZMTP(RuntimeError):
     """The writer's port answered in ZMQ: a vLLM queue, not a fastmq one."""
 
@@ -146,6 +164,14 @@ def end_of_stream(seal: _seal.Seal, counter: int, last_seq: int) -> list:
     """The wire form of the end of the stream after message ``last_seq``."""
     header = HEAD.pack(END, counter, last_seq, 0)
     return [header, seal.tag_header(counter, header)] if seal.tag_bytes else [header]
+
+
+def heartbeat(seal: _seal.Seal, counter: int, last_seq: int, kind: bytes = HEARTBEAT) -> bytes:
+    """A heartbeat's wire form (``kind`` ALIVE: a reader's, ``seal`` its
+    heartbeat seal): sealed as an end of the stream is, so that it cannot
+    be forged, and its counter rises, so that it cannot be replayed."""
+    header = HEAD.pack(kind, counter, last_seq, 0)
+    return header + seal.tag_header(counter, header) if seal.tag_bytes else header
 
 
 class Outgoing:

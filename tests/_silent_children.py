@@ -1,0 +1,196 @@
+"""A second "node" whose link can be cut, for tests/test_silent_peers.py.
+
+``SilentNode`` makes a network namespace joined to this one by a veth pair
+(root); a spawned child enters it (``enter``) and runs one end of a queue
+there.  ``cut()`` sets the namespace's end of the link down, so that once
+the child is then SIGKILLed nothing leaves that node: no FIN, no reset,
+as when a node dies or its link goes.  ``close()`` removes the namespace
+and the pair, whatever happened.
+
+The targets below are spawnable children; each reports on its pipe.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import subprocess
+import time
+
+CLONE_NEWNET = 0x40000000
+_count = itertools.count()
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+class SilentNode:
+    """A namespace ``name`` whose address is ``node_ip``; this side of the
+    link is ``host_ip``."""
+
+    def __init__(self):
+        n = next(_count)
+        tag = f"{os.getpid() % 10000}{n}"
+        self.name = f"fmq-silent-{tag}"
+        self.host_dev, self.node_dev = f"fsh{tag}", f"fsn{tag}"
+        octet = 100 + (os.getpid() + n) % 150
+        self.host_ip, self.node_ip = f"10.231.{octet}.1", f"10.231.{octet}.2"
+        try:
+            _ip("netns", "add", self.name)
+            _ip("link", "add", self.host_dev, "type", "veth", "peer", "name", self.node_dev)
+            _ip("link", "set", self.node_dev, "netns", self.name)
+            _ip("addr", "add", f"{self.host_ip}/24", "dev", self.host_dev)
+            _ip("link", "set", self.host_dev, "up")
+            _ip("-n", self.name, "addr", "add", f"{self.node_ip}/24", "dev", self.node_dev)
+            _ip("-n", self.name, "link", "set", self.node_dev, "up")
+            _ip("-n", self.name, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def cut(self) -> None:
+        """Nothing leaves the node from now on (nor reaches it)."""
+        _ip("-n", self.name, "link", "set", self.node_dev, "down")
+
+    def close(self) -> None:
+        _ip("netns", "del", self.name, check=False)
+        _ip("link", "del", self.host_dev, check=False)
+
+
+def enter(name: str) -> None:
+    """This process's network is namespace ``name`` from now on."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(fd)
+
+
+def _env(env: dict) -> None:
+    os.environ.update(env)
+
+
+def writer(ns: str | None, ip: str, n_reader: int, handshake: bool, conn, env: dict):
+    """A remote writer at ``ip`` (in namespace ``ns``): the handle, then
+    (``handshake``) wait_until_ready() and one message on "send"; else it
+    waits in wait_until_ready() for readers that do not all come."""
+    _env(env)
+    if ns is not None:
+        enter(ns)
+    from fastmq import MessageQueue
+
+    mq = MessageQueue(n_reader, 0, connect_ip=ip)
+    conn.send(mq.export_handle())
+    if not handshake:
+        # What the writer logs while it waits (a reader it dropped).
+        import logging
+
+        lines = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                lines.append(record.getMessage())
+
+        logging.getLogger("fastmq").addHandler(Keep())
+        try:
+            mq.wait_until_ready()
+            conn.send(("ready", lines))
+        except BaseException as e:
+            conn.send(("raised", repr(e)))
+        time.sleep(3600)
+    mq.wait_until_ready()
+    conn.send("ready")
+    while True:
+        what = conn.recv()
+        mq.enqueue(what)
+        conn.send("sent")
+
+
+def stalled_reader(ns: str | None, handle, rank: int, conn, env: dict):
+    """A remote reader (in namespace ``ns``) that reads one message, says
+    so, and then reads nothing more (alive, its heartbeats going)."""
+    _env(env)
+    if ns is not None:
+        enter(ns)
+    from fastmq import MessageQueue
+
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready()
+    conn.send(("ready", os.getpid()))
+    conn.send(("got", mq.dequeue(timeout=30)[:8]))
+    time.sleep(3600)
+
+
+def handshaking_reader(ns: str | None, handle, rank: int, conn, env: dict):
+    """A remote reader that connects (its hello goes at once) and then
+    waits in wait_until_ready(); it reports how that ended."""
+    _env(env)
+    if ns is not None:
+        enter(ns)
+    from fastmq import MessageQueue
+
+    mq = MessageQueue.create_from_handle(handle, rank)
+    conn.send(("attached", os.getpid()))
+    try:
+        mq.wait_until_ready()
+        conn.send(("ready", None))
+        while True:
+            conn.send(("got", mq.dequeue()[:8]))
+    except BaseException as e:
+        conn.send(("raised", e))
+
+
+def reading_reader(handle, rank: int, conn, env: dict):
+    """A remote reader that reads everything until the writer closes the
+    queue, then sends what it got, in order (or the error that ended it)."""
+    _env(env)
+    from fastmq import MessageQueue
+    from fastmq._gone import WriterGoneError
+
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready()
+    conn.send(("ready", os.getpid()))
+    got = []
+    try:
+        while True:
+            got.append(mq.dequeue()[:8])
+    except WriterGoneError as e:
+        conn.send(("got", got, e.clean, str(e)))
+    except BaseException as e:
+        conn.send(("got", got, None, repr(e)))
+
+
+def filling_writer(ip: str, handle_conn, env: dict):
+    """A writer with two remote readers (rank 0 stalls, rank 1 reads):
+    enqueue() 1 MiB messages on "go" until one raises; report each
+    returned one, and how the last ended and when."""
+    _env(env)
+    from fastmq import MessageQueue
+    from fastmq._gone import ReaderGoneError
+
+    mq = MessageQueue(2, 0, connect_ip=ip)
+    handle_conn.send(mq.export_handle())
+    mq.wait_until_ready()
+    handle_conn.send("ready")
+    mq.enqueue(b"m0000000" + bytes(1 << 20))
+    handle_conn.send(("returned", 0, time.monotonic()))
+    handle_conn.recv()     # "go": rank 0 has stopped reading
+    i = 1
+    try:
+        while True:
+            mq.enqueue(b"m%07d" % i + bytes(1 << 20))
+            handle_conn.send(("returned", i, time.monotonic()))
+            i += 1
+    except ReaderGoneError as e:
+        handle_conn.send(("raised", i, time.monotonic(), e.rank, e.pid, e.how, str(e),
+                          getattr(e, "__notes__", [])))
+    except BaseException as e:
+        handle_conn.send(("raised", i, time.monotonic(), None, None, None, repr(e), []))
+    handle_conn.recv()     # "close": the queue goes, the end of the stream with it
+    import gc
+    del mq
+    gc.collect()
+    handle_conn.send("closed")

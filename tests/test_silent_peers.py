@@ -1,0 +1,299 @@
+"""Peers that go silent: a node that dies, a link that drops.
+
+A killed process's kernel closes its connections, and the remote path
+has always told that apart from a clean end.  A node whose link is down
+sends nothing at all: these tests put one end of a queue in a network
+namespace of its own, joined by a veth pair, set that link down and then
+SIGKILL the process behind it, so that no FIN or reset ever leaves
+(``_silent_children.SilentNode``).  Every wait must then end within the
+bound (``FASTMQ_PEER_TIMEOUT_S``, 2 s here) with an error that names the
+peer and says it was silence; a reader that is only slow, or a stream
+that is only idle, must not be taken for a silent one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+
+from fastmq import MessageQueue, _wire
+from fastmq._gone import WriterGoneError
+from fastmq._ring import CorruptChunkError
+
+import _silent_children as sc
+from _relay import parse_writer_bytes, through_relay
+from conftest import SPAWN
+
+BOUND = 2.0
+ENV = {"FASTMQ_PEER_TIMEOUT_S": f"{BOUND:g}"}
+# What "within the bound" allows on two shared cores: the bound itself,
+# the heartbeat that came just before the cut, and scheduling.
+WITHIN = 2 * BOUND + 2.0
+
+
+@pytest.fixture
+def node():
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the test makes a network namespace and a veth pair "
+                    "(ip netns add, ip link add) to cut a node's link")
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's ip command (network namespace and veth pair)")
+    n = sc.SilentNode()
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.fixture
+def bound(monkeypatch):
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    return BOUND
+
+
+def _recv(conn, timeout: float = 60.0):
+    assert conn.poll(timeout), f"no word from the child within {timeout} s"
+    return conn.recv()
+
+
+def _ends_within(call, seconds: float, cancel):
+    """Run ``call()`` on a thread: (what it raised or returned, seconds it
+    took).  Still blocked after ``seconds``: ``cancel()`` and fail."""
+    out = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            out["value"] = call()
+        except BaseException as e:
+            out["value"] = e
+        out["took"] = time.monotonic() - start
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        cancel()
+        t.join(5)
+        pytest.fail(f"still blocked {seconds:.0f} s after the peer's node went silent")
+    return out["value"], out["took"]
+
+
+def _writer_in_node(procs, node, n_reader=1, handshake=True):
+    parent, child = SPAWN.Pipe()
+    p = procs.start(sc.writer, node.name, node.node_ip, n_reader, handshake, child, ENV)
+    return p, parent, _recv(parent)
+
+
+def _silence(node, proc):
+    """Nothing leaves ``node`` from now on, and ``proc`` there is killed."""
+    node.cut()
+    os.kill(proc.pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _assert_names_silent_writer(e, writer, node):
+    assert isinstance(e, WriterGoneError), repr(e)
+    assert e.clean is False
+    text = str(e)
+    for part in (f"pid {writer.pid}", node.node_ip, "rank 0", "went silent",
+                 "silence, not a close", "FASTMQ_PEER_TIMEOUT_S"):
+        assert part in text, (part, text)
+
+
+def test_a_reader_whose_writers_node_went_silent_raises_within_the_bound(procs, node, bound):
+    """The writer's link is set down after one message and the writer is
+    SIGKILLed: nothing leaves its node.  dequeue() without a timeout (a
+    vLLM worker's loop) used to block for ever; it raises
+    WriterGoneError within the bound, naming the writer and saying it went
+    silent."""
+    writer, conn, handle = _writer_in_node(procs, node)
+    r = MessageQueue.create_from_handle(handle, 0)
+    r.wait_until_ready()
+    assert _recv(conn) == "ready"
+    conn.send("first")
+    assert _recv(conn) == "sent"
+    assert r.dequeue(timeout=10) == "first"
+    cut = _silence(node, writer)
+    e, _ = _ends_within(r.dequeue, WITHIN, r.shutdown)
+    took = time.monotonic() - cut
+    _assert_names_silent_writer(e, writer, node)
+    assert "last heard from it" in str(e) and "message 1" in str(e), str(e)
+    assert took <= WITHIN
+    # And for good: the next call says the same at once.
+    with pytest.raises(WriterGoneError, match="went silent"):
+        r.dequeue(timeout=5)
+
+
+def test_a_reader_in_its_handshake_whose_writers_node_went_silent_raises(procs, node, bound):
+    """The reader has connected and proven its key; the writer waits for
+    another reader when its node goes silent: wait_until_ready() ends
+    within the bound (TCP keepalive), naming the writer."""
+    writer, conn, handle = _writer_in_node(procs, node, n_reader=2, handshake=False)
+    r = MessageQueue.create_from_handle(handle, 0)
+    time.sleep(1.0)          # the hello is answered and acknowledged
+    cut = _silence(node, writer)
+    e, _ = _ends_within(r.wait_until_ready, WITHIN, r.shutdown)
+    assert time.monotonic() - cut <= WITHIN
+    _assert_names_silent_writer(e, writer, node)
+    assert "during the handshake" in str(e)
+
+
+def test_a_writer_whose_readers_node_went_silent_raises_and_the_others_keep_theirs(
+        procs, node, bound):
+    """Reader 0 (on the cut node) stops reading, so the writer's send to
+    it blocks on a full buffer: while reader 0 is alive that is a slow
+    reader, and the writer waits (for several bounds).  Then its link goes
+    down and it is SIGKILLed: enqueue() used to block for ever; it raises
+    ReaderGoneError for reader 0 within the bound, and reader 1 has every
+    message, in order."""
+    wconn, wchild = SPAWN.Pipe()
+    writer = procs.start(sc.filling_writer, node.host_ip, wchild, ENV)
+    handle = _recv(wconn)
+    sconn, schild = SPAWN.Pipe()
+    stalled = procs.start(sc.stalled_reader, node.name, handle, 0, schild, ENV)
+    rconn, rchild = SPAWN.Pipe()
+    procs.start(sc.reading_reader, handle, 1, rchild, ENV)
+    assert _recv(wconn) == "ready"
+    assert _recv(sconn)[0] == "ready" and _recv(rconn)[0] == "ready"
+    returned = [_recv(wconn)[1]]
+    assert _recv(sconn) == ("got", b"m0000000")
+    wconn.send("go")
+    # Slow, not silent: its buffers fill and the writer waits for it.
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 3 * BOUND:
+        if wconn.poll(0.2):
+            what = wconn.recv()
+            assert what[0] == "returned", f"a live reader was given up: {what}"
+            returned.append(what[1])
+            quiet_since = time.monotonic()
+    cut = _silence(node, stalled)
+    what = _recv(wconn, WITHIN)
+    assert time.monotonic() - cut <= WITHIN
+    kind, index, _, rank, pid, how, text, notes = what
+    assert (kind, rank, pid, how) == ("raised", 0, stalled.pid, "silent"), what
+    for part in ("remote reader rank 0", f"pid {stalled.pid}", node.node_ip, "went silent",
+                 "silence, not a close", "last heard from it"):
+        assert part in text, (part, text)
+    wconn.send("close")
+    assert _recv(wconn) == "closed"
+    got = _recv(rconn)
+    committed = any("committed" in n for n in notes)
+    expected = [b"m%07d" % i for i in returned + ([index] if committed else [])]
+    assert got[1] == expected
+    assert got[2] is True, got    # a clean end of the stream after them
+
+
+def test_a_writer_in_its_handshake_drops_a_reader_whose_node_went_silent(procs, node, bound):
+    """A reader that proved its key goes silent before the writer's
+    handshake completed: the writer used to count it for ever (a surplus
+    of proven readers never completes the handshake); it drops it within
+    the bound, says so naming it, and completes with the rank's new
+    process."""
+    wconn, wchild = SPAWN.Pipe()
+    writer = procs.start(sc.writer, None, node.host_ip, 2, False, wchild, ENV)
+    handle = _recv(wconn)
+    dconn, dchild = SPAWN.Pipe()
+    doomed = procs.start(sc.handshaking_reader, node.name, handle, 0, dchild, ENV)
+    assert _recv(dconn)[0] == "attached"
+    time.sleep(1.5)          # its hello is in and proven
+    _silence(node, doomed)
+    time.sleep(WITHIN)
+    conns = []
+    for rank in (0, 1):
+        c, child = SPAWN.Pipe()
+        procs.start(sc.handshaking_reader, None, handle, rank, child, ENV)
+        conns.append(c)
+    for c in conns:
+        assert _recv(c)[0] == "attached"
+    what = _recv(wconn, 20)
+    assert what[0] == "ready", what
+    assert any(f"remote reader rank 0 (pid {doomed.pid} on its node) at {node.node_ip} went "
+               "silent during the handshake" in line for line in what[1]), what[1]
+    for c in conns:
+        assert _recv(c, 20) == ("ready", None)
+
+
+def _relayed(monkeypatch, bound_s: float, tamper):
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", f"{bound_s:g}")
+    return through_relay(tamper)
+
+
+def test_a_replayed_heartbeat_is_refused_at_once(monkeypatch):
+    """A heartbeat the writer sent, replayed later by someone on the path,
+    is refused (it repeats a seal counter), at once rather than believed."""
+    inject = []
+
+    def tamper(data):
+        return (inject.pop() + data) if inject else data
+
+    w, r, relay = _relayed(monkeypatch, 1.0, tamper)
+    w.enqueue("a")
+    assert r.dequeue(timeout=10) == "a"
+    with pytest.raises(TimeoutError):
+        r.dequeue(timeout=1.5)        # idle: heartbeats come, nothing else
+    wire = relay.wire()
+    beats = [m for m in parse_writer_bytes(wire, "mac") if m.kind == _wire.HEARTBEAT]
+    assert beats, "no heartbeat on an idle stream"
+    inject.append(wire[beats[0].start:beats[0].end])
+    start = time.monotonic()
+    w.enqueue("b")
+    with pytest.raises(RuntimeError, match=r"a heartbeat .* repeats seal counter \d+ "
+                                           r"\(a replay\)"):
+        r.dequeue(timeout=10)
+    assert time.monotonic() - start < 5
+
+
+def test_a_forged_heartbeat_is_refused_at_once(monkeypatch):
+    """A heartbeat that someone on the path made up (it cannot seal it)
+    fails authentication at once; it never counts as the writer's."""
+    inject = []
+
+    def tamper(data):
+        return (inject.pop() + data) if inject else data
+
+    w, r, relay = _relayed(monkeypatch, 1.0, tamper)
+    w.enqueue("a")
+    assert r.dequeue(timeout=10) == "a"
+    inject.append(_wire.HEAD.pack(_wire.HEARTBEAT, 1 << 40, 1, 0) + os.urandom(16))
+    start = time.monotonic()
+    w.enqueue("b")
+    with pytest.raises(CorruptChunkError, match="failed authentication"):
+        r.dequeue(timeout=10)
+    assert time.monotonic() - start < 5
+
+
+def test_an_idle_stream_is_not_silence_and_a_busy_one_has_no_heartbeats(monkeypatch):
+    """The writer has nothing to send for several bounds: the reader's
+    wait times out as asked (its writer's heartbeats keep it told), and
+    the next message comes.  While messages keep coming, no heartbeat is
+    sent at all."""
+    w, r, relay = _relayed(monkeypatch, 4.0, None)
+    for i in range(150):
+        w.enqueue(i)
+        assert r.dequeue(timeout=10) == i
+        time.sleep(0.01)
+    busy = relay.wire()
+    assert not [m for m in parse_writer_bytes(busy, "mac") if m.kind == _wire.HEARTBEAT]
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", "1")
+    w2, r2, relay2 = _relayed(monkeypatch, 1.0, None)
+    with pytest.raises(TimeoutError):
+        r2.dequeue(timeout=3.5)
+    w2.enqueue("after the quiet")
+    assert r2.dequeue(timeout=10) == "after the quiet"
+    beats = [m for m in parse_writer_bytes(relay2.wire(), "mac") if m.kind == _wire.HEARTBEAT]
+    assert beats
+    for rel in (relay, relay2):
+        rel.close()
+
+
+@pytest.mark.parametrize("value,why", [("soon", "is not a number"), ("0.5", "must be at least 1")])
+def test_the_bound_is_validated(monkeypatch, value, why):
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=f"FASTMQ_PEER_TIMEOUT_S='{value}' {why}"):
+        MessageQueue(1, 0, connect_ip="127.0.0.1")
