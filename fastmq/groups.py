@@ -12,7 +12,8 @@ import os
 import secrets
 from typing import Any
 
-from fastmq._segment import Segment
+from fastmq import _door
+from fastmq._segment import Segment, lend_descriptor, parse_locator, reclaim_descriptor
 from fastmq.segments import SHM_PATH, new_segment_name
 
 
@@ -70,39 +71,64 @@ def same_node_as(ops: Group, source_rank: int) -> list[bool]:
     can map the source's segments, and they see the same ``/dev/shm``.
 
     The source writes a random token into a fresh segment; every rank tries
-    to map it (through ``/proc``: the same host, pid namespace and user) and
-    compares.  Hostnames lie across containers and namespaces; this does
+    to map it, with the descriptor the source hands over its segment door
+    (``fastmq._door``: the same host and network namespace, whatever the
+    ranks' uids, capabilities or pid namespaces, as for a queue's readers),
+    and compares.  Hostnames lie across containers and namespaces; this does
     not.  The ``/dev/shm`` mount must match too: that is what vLLM's own
     test of a shared node checks, so a process with a ``/dev/shm`` of its
     own is another node to both."""
-    seg = None
+    seg = door = None
     if ops.rank == source_rank:
         token = secrets.token_bytes(16)
         seg = Segment.create(new_segment_name("probe"), 16)
         memoryview(seg)[:16] = token
-        msg = (seg.locator, token, _shm_identity())
+        key = _door.new_key()
+        name, _, fd, _ = parse_locator(seg.locator)
+        door = _door.Door([(name, fd)], key)
+        msg = (seg.locator, token, _shm_identity(), door.address, key)
     else:
         msg = None
     try:
-        locator, token, shm = ops.broadcast(msg, source_rank)
+        locator, token, shm, address, key = ops.broadcast(msg, source_rank)
         if ops.rank == source_rank:
             mine = True
         elif _shm_identity() != shm:
             mine = False
         else:
-            try:
-                other = Segment.attach(locator, writable=False)
-                try:
-                    mine = bytes(memoryview(other)[:16]) == token
-                finally:
-                    other.close()
-            except (OSError, ValueError):
-                mine = False
+            mine = _maps_token(locator, token, address, key)
         # The gather doubles as the barrier before the source lets go.
         return [bool(x) for x in ops.all_gather(mine)]
     finally:
+        if door is not None:
+            door.close()
         if seg is not None:
             seg.close()
+
+
+def _maps_token(locator: str, token: bytes, address: str, key: bytes) -> bool:
+    """Whether the probe segment ``locator`` can be had from the source's
+    door at ``address`` and holds ``token``."""
+    name, pid, _, _ = parse_locator(locator)
+    try:
+        admission = _door.admit(address, key, 0, pid)
+    except (OSError, _door.DoorError):
+        return False        # another network namespace, or host
+    fd = admission.take(name)
+    admission.close()
+    if fd < 0:
+        return False
+    lend_descriptor(name, fd)
+    try:
+        other = Segment.attach(locator, writable=False)
+        try:
+            return bytes(memoryview(other)[:16]) == token
+        finally:
+            other.close()
+    except (OSError, ValueError):
+        return False
+    finally:
+        reclaim_descriptor(name, fd)
 
 
 def group_rank_of(group: Group, reader_rank: int) -> int:

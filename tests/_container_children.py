@@ -266,3 +266,30 @@ def _sidecar_watch(conn, seconds: float, zmq) -> None:
     for s in subs:
         s.close(0)
     ctx.term()
+
+
+def group_rank(conn, rank: int, port: int, setup: tuple) -> None:
+    """Rank ``rank`` of a 2-rank gloo group (after ``setup``): vLLM's
+    ``create_from_process_group`` call, rank 0 the writer; report whether
+    rank 1 was made a local reader and what it read."""
+    import torch.distributed as dist
+
+    _prepare("fastmq")
+    if "nondumpable" in setup:
+        _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    if "docker_caps" in setup:
+        keep_only_caps(DOCKER_CAPS)
+    from fastmq import MessageQueue
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        mq = MessageQueue.create_from_process_group(dist.group.WORLD, 1 << 16, 4, 0)
+        if rank == 0:
+            mq.enqueue({"step": 1})
+            conn.send(("writer", mq.export_handle().local_reader_ranks))
+        else:
+            conn.send(("reader", mq.dequeue(timeout=60)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -136,3 +136,21 @@ def test_reader_without_the_key_is_refused_naming_why():
     r.wait_until_ready()
     w.enqueue("x")
     assert r.dequeue(timeout=10) == "x"
+
+
+def test_process_group_finds_a_reader_that_cannot_inspect_the_writer_local(procs):
+    """vLLM's ``create_from_process_group`` call: which ranks share the
+    writer's node is probed by mapping a segment of the writer's, which
+    used to go through /proc, so a non-dumpable writer's reader with
+    Docker's capabilities was taken for another node's (a remote reader)."""
+    import _nodes
+
+    port = _nodes.free_port()
+    conns = []
+    for rank, setup in ((0, ("nondumpable",)), (1, ("docker_caps",))):
+        mine, child = SPAWN.Pipe()
+        conns.append(mine)
+        procs.start(cc.group_rank, child, rank, port, setup)
+    assert _recv(conns[0], 120, "writer's report") == ("writer", [1])
+    assert _recv(conns[1], 120, "reader's report") == ("reader", {"step": 1})
+    procs.join_all(60)
