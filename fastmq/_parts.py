@@ -1,12 +1,20 @@
-"""A large message through the ring's chunks in parts: the writer's cut
-and a reader's reassembly (chunk layout: fastmq/_ring.pyx).  Used for a
-message too big for a chunk, and for one of PARTS_MIN bytes or more with
-large buffers (out of band, or in-band payloads kept by reference) that
-would fit one, when every reader is on the writer's node and either the
-parts fit the chunks free when it is sent, or every reader is waiting for
-the next chunk.  Otherwise a message that fits a chunk takes one, and a
-larger one the overflow socket (fastmq._overflow): remote readers, or a
-reader busy elsewhere with the free ring too small.
+"""A large message through the ring's chunks in parts: the writer's cut,
+when it may use them, and a reader's reassembly (chunk layout:
+fastmq/_ring.pyx).  Used for a message too big for a chunk, and for one of
+PARTS_MIN bytes or more with large buffers (out of band, or in-band
+payloads kept by reference) that would fit one, when every reader is on
+the writer's node and waiting for the next chunk (``readers_take_parts``).
+Otherwise a message that fits a chunk takes one, and a larger one the
+overflow socket (fastmq._overflow): remote readers, or a reader busy
+elsewhere.
+
+Why only to waiting readers: vLLM's writer may run max_chunks messages
+ahead of its readers whatever their sizes, each message taking one chunk
+(a large one its overflow mark).  Parts put into chunks that are merely
+free would stay there, unread, while a reader is busy elsewhere, and a
+later message the writer sends in vLLM's run-ahead would find no chunk.
+A reader waiting for the message takes each part as it comes and, in
+that same dequeue(), every part after it: the parts leave no chunk behind.
 
 Why parts for a message that fits a chunk: its reader copies part k out
 while the writer copies part k+1 in, so the two copies overlap instead of
@@ -17,10 +25,10 @@ the kernel (into the socket buffer, out into a fresh allocation per reader)
 in small slices, each a wakeup of the other side.  The ring's chunks are
 shared memory the writer already reserved: the writer copies each part in
 once and every reader copies it out into memory it keeps for the next large
-message.  Why only then: the writer never waits for a reader that is not
-reading, so a large message decouples writer and readers as the socket
-does (a reader busy elsewhere does not hold the writer up, and a thread
-that writes and also reads the queue cannot deadlock itself).
+message.  And the writer never waits for a reader that is not reading,
+so a large message decouples writer and readers as the socket does (a
+reader busy elsewhere does not hold the writer up, and a thread that
+writes and also reads the queue cannot deadlock itself).
 
 The part stream::
 
@@ -32,13 +40,14 @@ or ``bytearray`` that the unpickler takes as the object itself (a large
 in-band payload the writer moved out of the stream, fastmq._sink).
 
 cut into parts of equal size, each at most PART_BYTES (or a chunk; or
-PART_BYTES_MAX for a message of more than SMALL_PARTS_MAX of them, or where
-readers are busy and the free chunks few); its head (the lengths) lies in
-part 0.
+PART_BYTES_MAX for a message of more than SMALL_PARTS_MAX of them); its
+head (the lengths) lies in part 0.
 """
 from __future__ import annotations
 
+import os
 import struct
+import time
 
 from fastmq._piecewise import PiecewiseFile
 from fastmq._recv_buffers import POOLED_MIN_BYTES, fresh_bytearray, fresh_bytes
@@ -48,12 +57,10 @@ from fastmq._sink import KIND_BUFFER, KIND_BYTEARRAY, KIND_BYTES
 
 # Bytes per part (with its header), at most a chunk: small enough that the
 # readers' copy of one part overlaps the writer's copy of the next from a few
-# MiB up, large enough that the handover per part is noise.  When readers
-# are busy elsewhere and that many parts would not fit the free chunks, the
-# parts grow up to PART_BYTES_MAX: a large message reserves at most that
-# much of each chunk it passes through (80 MiB of vLLM's 10 x 24 MiB ring,
-# not all of it), and a message of up to a ring's worth of them goes through
-# the ring while readers are busy; any size while they wait for it.
+# MiB up, large enough that the handover per part is noise.  A message of
+# many parts takes parts of up to PART_BYTES_MAX: a large message reserves
+# at most that much of each chunk it passes through (80 MiB of vLLM's
+# 10 x 24 MiB ring, not all of it), whatever its size.
 PART_BYTES = 4 << 20
 PART_BYTES_MAX = 8 << 20
 # A message of more parts than this takes PART_BYTES_MAX ones: the overlap
@@ -66,6 +73,16 @@ PARTS_MIN = 4 << 20
 # Reassembly buffers at least this large come from the reader's pool of
 # reused memory; smaller ones are plain bytearrays.
 POOLED_MIN = POOLED_MIN_BYTES
+# Readers that have read every message so far but are not waiting yet are
+# between two dequeue() calls: a reader that answers its message and asks
+# for the next comes back within microseconds.  The writer gives them this
+# long per MiB of the message (at most ON_THEIR_WAY_MAX_NS) to show as
+# waiting before it sends the message the way vLLM does: a few percent of
+# that way's copies, so that readers busy elsewhere cost it little, and
+# enough that a reader still letting go of its last large message is in
+# time.
+ON_THEIR_WAY_NS_PER_MIB = 16_000
+ON_THEIR_WAY_MAX_NS = 4_000_000
 
 _U64 = struct.Struct("<Q")
 
@@ -75,12 +92,38 @@ KIND_SHIFT = 62
 _LENGTH_MASK = (1 << KIND_SHIFT) - 1
 
 
+def readers_take_parts(ring, total: int, until: float | None) -> bool:
+    """Whether a ``total``-byte part stream may go through ``ring`` (a
+    ``RingWriter`` whose next chunk is free) now: every reader is waiting
+    for the next chunk, so each takes the parts as they come and none is
+    left in a chunk that a later message needs.  Readers that have read
+    every chunk are given up to ``ON_THEIR_WAY_NS_PER_MIB`` (no later than
+    ``until``, a ``time.monotonic()`` deadline) to come to that wait; a
+    reader with a chunk still unread is busy elsewhere, so no."""
+    if ring.readers_waiting():
+        return True
+    if ring.free_chunks() < ring.max_chunks:
+        return False
+    end = time.monotonic_ns() + min(total * ON_THEIR_WAY_NS_PER_MIB >> 20,
+                                    ON_THEIR_WAY_MAX_NS)
+    if until is not None:
+        end = min(end, int(until * 1e9))
+    while time.monotonic_ns() < end:
+        # Yield, not spin: on a host with fewer cores than processes the
+        # reader may need this core to get to its wait.
+        os.sched_yield()
+        if ring.readers_waiting():
+            return True
+    return False
+
+
 def cut_to_fit(stream: list, oob: list, kinds: list, max_chunk_bytes: int,
-               free: int | None) -> tuple[list, int] | None:
+               free: int | None = None) -> tuple[list, int] | None:
     """``cut()`` into parts of PART_BYTES, or larger ones up to
     PART_BYTES_MAX when more than SMALL_PARTS_MAX of them, or more than
-    ``free`` chunks, would be needed (None: no limit, every reader is
-    waiting for the parts).  None when no cut fits."""
+    ``free`` chunks, would be needed (None: no limit; the writer sends
+    parts only to readers waiting for them, ``readers_take_parts``).  None
+    when no cut fits."""
     for size in (PART_BYTES, PART_BYTES_MAX):
         parts = cut(stream, oob, kinds, min(size, max_chunk_bytes) - PART_HEAD_BYTES)
         if parts is None:

@@ -447,14 +447,15 @@ class QueueWriter(RemoteSending):
                 until = _overflow.deadline(timeout)
                 self._wait_turn(timeout)
                 sink = encoder.sink
-                # Parts when the writer cannot be held up by a reader busy
-                # elsewhere: they fit the free chunks, or every reader is
-                # waiting for them (and takes each as it comes).  Else one
-                # chunk if it fits, else the socket.
-                cut = _parts.cut_to_fit(
-                    *sink.stream(), ring.max_chunk_bytes,
-                    None if ring.readers_waiting() else ring.free_chunks()
-                ) if self._parts_on else None
+                # Parts only to readers waiting for them (each takes the
+                # parts as they come): in chunks merely free they would stay
+                # while a reader is busy elsewhere, and the writer could no
+                # longer run max_chunks messages ahead as vLLM's does.  Else
+                # one chunk if it fits, else the socket: one chunk, as vLLM.
+                cut = (_parts.cut_to_fit(*sink.stream(), ring.max_chunk_bytes)
+                       if self._parts_on else None)
+                if cut is not None and not _parts.readers_take_parts(ring, cut[1], until):
+                    cut = None
                 if cut is not None:
                     self._send_parts(*cut, until)
                 elif not self._send_whole(sink, until):
@@ -472,8 +473,8 @@ class QueueWriter(RemoteSending):
 
     def _send_whole(self, sink, until: float | None) -> bool:
         """A message that fits a chunk but was held back for parts, which
-        would have had to wait for a reader busy elsewhere: in one chunk
-        after all.  False when it does not fit one."""
+        its readers are not waiting for: in one chunk after all.  False
+        when it does not fit one."""
         ring = self.ring
         framed = ring.send_pickled(sink, _overflow.remaining(until), True)
         while framed < 0:
