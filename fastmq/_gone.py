@@ -9,8 +9,11 @@ from __future__ import annotations
 
 class WriterGoneError(RuntimeError):
     """A remote reader's writer is gone: it shut the queue down (``clean``)
-    or its connection was cut.  No message will come; a remote reader
-    cannot rejoin a running queue."""
+    or its connection was cut, or nothing came from it for the bound
+    (``FASTMQ_PEER_TIMEOUT_S``: its node died or became unreachable; not
+    ``clean``, so that whoever ends a worker whose writer is gone treats it
+    as a cut connection).  No message will come; a remote reader cannot
+    rejoin a running queue."""
 
     def __init__(self, message: str, clean: bool):
         super().__init__(message)
@@ -22,7 +25,9 @@ class ReaderGoneError(RuntimeError):
     make progress: ``how`` is ``"died"`` (its process ended without closing
     its end), ``"left"`` (it closed its end of the queue), or, for a remote
     reader after the handshake, ``"disconnected"`` (its connection closed
-    or broke) or ``"misbehaved"`` (it sent bytes it must not send).
+    or broke), ``"silent"`` (nothing came from it for the bound,
+    ``FASTMQ_PEER_TIMEOUT_S``: its node died or became unreachable) or
+    ``"misbehaved"`` (it sent bytes it must not send).
     ``rank`` is its reader rank, ``pid`` its process id (on its own node
     for a remote reader; None where unknown)."""
 
