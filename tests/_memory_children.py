@@ -22,8 +22,10 @@ Run as a script (``python _memory_children.py MODE ...``) a mode prints
 * ``cache IMPL FILE``: a queue made first; then FILE read whole (page cache
   up to the limit); then a 3 MiB message into a fresh chunk of that queue,
   ``MessageQueue(1, 1)`` and 9 x 20 MiB through it;
-* ``fill IMPL``: a 10 x 64 MiB ring, then filled (the OOM killer's end where
-  the ring is more than the limit, unless the queue refuses at creation);
+* ``fill IMPL``: a 10 x 64 MiB ring, then filled with 60 MiB messages (the
+  OOM killer's end where the ring is more than the limit, unless the queue
+  refuses at creation; fastmq with ``FASTMQ_PARTS=0`` fills it as vLLM's
+  does, a message in one chunk);
 * ``first-writes``: the /proc and cgroup files opened by the first small
   message into each chunk of a fresh queue (an audit hook), and by a large one;
 * ``hidden``: queues made and used where no cgroup file system is visible
@@ -157,11 +159,12 @@ def child_env(impl: str) -> dict[str, str]:
 
 
 def run_child(cg: Cgroup, args: list[str], impl: str = "fastmq", layout: str = "plain",
-              before: str = "", timeout: float = 300) -> tuple[int, str, dict | None]:
-    """Run this script with ``args`` inside ``cg``: (returncode, output,
-    the RESULT or None)."""
+              before: str = "", timeout: float = 300,
+              **env: str) -> tuple[int, str, dict | None]:
+    """Run this script with ``args`` inside ``cg`` (``env`` added to its
+    environment): (returncode, output, the RESULT or None)."""
     argv = in_cgroup(cg, [sys.executable, os.path.abspath(__file__), *args], layout, before)
-    proc = subprocess.Popen(argv, env=child_env(impl), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv, env={**child_env(impl), **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -312,6 +315,7 @@ def hidden() -> dict:
     w.enqueue(b"h" * (3 * MiB))
     ok = len(r.dequeue(timeout=30)) == 3 * MiB
     more = MessageQueue(1, 1)
+    print("QUEUES DONE", flush=True)        # what the queues logged is above
     rep = memory_report()
     more.shutdown()
     return {"delivered": ok, "available": rep["available"], "host": rep["host"],
