@@ -13,6 +13,15 @@ comes from the shared-memory headers (``fastmq._snapshot``).  Segments are
 opened ``O_RDONLY`` and mapped ``PROT_READ``: looking at a live queue never
 writes to it, so it cannot disturb the queue.
 
+Anyone can name a memory file ``fastmq_<n>_ring_<hex>``, and root's ``ls``
+sees every user's.  So a file is mapped only when it is sealed against
+shrinking and growing as fastmq seals its segments (a file its holder may
+cut would fault under the mapping), lives in shared memory (not
+hugetlbfs), and, if larger than 1 MiB, its header, read with ``pread``,
+says it is a whole fastmq segment of that size (``_unmappable``); any
+other is listed under "other" with the reason, its owner and holders, and
+every failure to read one segment stays with that segment.
+
 Where each reader is comes from two counters in the ring header: the
 messages the writer has published and, in each reader slot, the messages
 that reader has read.  Message ``k`` goes into chunk ``k % max_chunks``, so
@@ -25,9 +34,12 @@ another one they are not visible.
 """
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import mmap
 import os
 import re
+import struct
 import time
 
 from fastmq import _arena, _proc, _ring, _snapshot
@@ -124,33 +136,130 @@ def _scan() -> dict[int, _Seen]:
     return seen
 
 
+# What a segment must be before ``ls`` maps it.  fastmq seals every ring
+# and arena against shrinking and growing (fastmq/_segment.pyx,
+# Segment.create): a mapping of a file that may shrink faults (SIGBUS) at
+# the first page its holder cuts off, which would kill ``ls``.
+# memfd_create's files are in shared memory (tmpfs) unless made with
+# MFD_HUGETLB: a hugetlbfs page that is not there is allocated on the first
+# touch, from a pool that may be empty (SIGBUS again).
+_TMPFS_MAGIC = 0x01021994
+_FS_NAMES = {0x958458F6: "hugetlbfs"}
+# The words every ring and arena header begins with (fastmq/_ring_layout.pxd
+# and fastmq/_arena_layout.pxd agree on them): the magic (u64 at 0), where
+# the data begins (u64 at 40: the header and flags before it are all that
+# ls reads) and the segment's size (u64 at 48).  A segment larger than
+# _SMALL is mapped only once these, read with pread, say that it is a whole
+# fastmq segment of its size whose header and flags ls can read: a sparse
+# file of a PiB with no header is never mapped, and a forged header that
+# claims billions of chunks is refused here.  (The snapshot reads a
+# mapping of the whole segment, but touches only the header and flags.)
+_HEAD = struct.Struct("<Q32xQQ")
+_SMALL = 1 << 20
+_MAX_FLAGS_BYTES = 64 << 20
+_MAGIC = {"ring": _ring.MAGIC, "arena": _arena.MAGIC}
+
+
+_fstatfs = None     # libc's fstatfs, looked up once (False: not there)
+
+
+def _fs_type(fd: int) -> int | None:
+    """``f_type`` of ``fstatfs(fd)``, or None where it cannot be asked."""
+    global _fstatfs
+    if _fstatfs is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            _fstatfs = libc.fstatfs
+        except (OSError, AttributeError):
+            _fstatfs = False
+    if not _fstatfs:
+        return None
+    # struct statfs begins with f_type, a C long; 256 bytes hold all of it.
+    buf = ctypes.create_string_buffer(256)
+    if _fstatfs(fd, buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def _unmappable(fd: int, kind: str, size: int) -> str | None:
+    """Why ``ls`` must not map this segment (its file ``fd`` of ``size``
+    bytes), or None: it is sealed as fastmq seals its segments, in shared
+    memory, and its header says it is a whole ``kind`` of this size."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        return f"cannot read its seals: {e.strerror or e}; not mapped"
+    missing = [n for bit, n in ((fcntl.F_SEAL_SHRINK, "shrinking"),
+                                (fcntl.F_SEAL_GROW, "growing")) if not seals & bit]
+    if missing:
+        return (f"not sealed against {' and '.join(missing)}, as fastmq seals its "
+                "segments: not mapped"
+                + (" (its holder could cut it under the mapping)"
+                   if not seals & fcntl.F_SEAL_SHRINK else ""))
+    fs = _fs_type(fd)
+    if fs is not None and fs != _TMPFS_MAGIC:
+        return (f"not in shared memory (a {_FS_NAMES.get(fs, hex(fs))} file, as fastmq's "
+                "segments never are): not mapped")
+    if size <= _SMALL:
+        return None     # mapped whole; the snapshot checks all of it
+    try:
+        head = os.pread(fd, _HEAD.size, 0)
+    except OSError as e:
+        return f"cannot read its header: {e.strerror or e}"
+    if len(head) < _HEAD.size:
+        return "its header could not be read whole"
+    magic, data_off, total = _HEAD.unpack(head)
+    if magic != _MAGIC[kind]:
+        return f"not a fastmq {kind} (no fastmq header)"
+    if total != size:
+        return f"its fastmq {kind} header says {total} bytes, the segment has {size}"
+    if not 0 < data_off <= min(total, _MAX_FLAGS_BYTES):
+        return (f"its fastmq {kind} header puts the data at byte {data_off}: a header and "
+                f"flags larger than ls reads ({_size(_MAX_FLAGS_BYTES)}) or than the segment")
+    return None
+
+
 def _read_segment(seg: _Seen, reader):
-    """``(snapshot, size, held_bytes)`` of a segment, mapped read-only;
-    ``snapshot`` is an error string when it cannot be read, and None when
-    ``reader`` is (a kind not read: only its size is wanted)."""
+    """``(snapshot, size, held_bytes, uid)`` of a segment, mapped read-only
+    once it is known to be safe to map (``_unmappable``); ``snapshot`` is
+    an error string when it cannot be read, and None when ``reader`` is
+    (a kind not read: only its size is wanted).  Never raises: one segment
+    that cannot be read is listed with the reason, next to the others."""
     err = "no process holds or maps it any more"
     for path in seg.paths:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
             err = f"cannot open {path}: {e.strerror or e}"
             continue
         try:
             st = os.fstat(fd)
+            size, used, uid = st.st_size, st.st_blocks * 512, st.st_uid
             if reader is None:
-                return None, st.st_size, st.st_blocks * 512
-            if st.st_size == 0:
-                return "empty segment", 0, 0
-            m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                return None, size, used, uid
+            if size == 0:
+                return "empty segment", 0, 0, uid
+            why = _unmappable(fd, seg.kind, size)
+            if why is not None:
+                return why, size, used, uid
+            try:
+                m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            except (OSError, ValueError, OverflowError) as e:
+                return (f"cannot map its {_size(size)}: {getattr(e, 'strerror', None) or e}",
+                        size, used, uid)
+        except OSError as e:
+            err = f"cannot read {path}: {e.strerror or e}"
+            continue
         finally:
             os.close(fd)
         try:
-            return reader(m), st.st_size, st.st_blocks * 512
-        except (_ring.SegmentMismatchError, _arena.ArenaError) as e:
-            return str(e), st.st_size, st.st_blocks * 512
+            return reader(m), size, used, uid
+        except (_ring.SegmentMismatchError, _arena.ArenaError, ValueError,
+                OverflowError) as e:
+            return str(e), size, used, uid
         finally:
             m.close()
-    return err, None, None
+    return err, None, None, None
 
 
 def _ring_entry(seg: _Seen, snap: dict, size: int, used: int) -> dict:
@@ -245,11 +354,12 @@ def list_queues() -> dict:
     for seg in sorted(_scan().values(), key=lambda x: x.name):
         reader = {"ring": _snapshot.ring_snapshot,
                   "arena": _snapshot.arena_snapshot}.get(seg.kind)
-        snap, size, used = _read_segment(seg, reader)
+        snap, size, used, uid = _read_segment(seg, reader)
         if reader is None or isinstance(snap, str):
             other.append({"name": seg.name, "kind": seg.kind, "error": snap,
-                          "mapped_by": sorted(seg.mappers), "segment_bytes": size,
-                          "held_bytes": used})
+                          "mapped_by": sorted(seg.mappers),
+                          "held_by": sorted(seg.holders), "uid": uid,
+                          "segment_bytes": size, "held_bytes": used})
         elif seg.kind == "ring":
             q = _ring_entry(seg, snap, size, used)
             q["name_pid"] = seg.name_pid
@@ -283,7 +393,7 @@ def _available() -> int | None:
 def _size(n: int | None) -> str:
     if n is None:
         return "?"
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, div in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div:
             v = n / div
             return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
@@ -347,8 +457,13 @@ def format_text(listing: dict) -> str:
         out.extend(_arena_lines(a, ""))
         out.append("  (not matched to one ring of its creator: none, or several alike)")
         out.append("")
+    me = os.geteuid()
     for o in listing["other"]:
         what = f"unreadable: {o['error']}" if o["error"] else f"{o['kind']} segment"
+        if o.get("uid") not in (None, me):
+            # Another user's file that only looks like fastmq's: say whose.
+            held = ", ".join(map(str, o.get("held_by") or [])) or "-"
+            what += f" (owner uid {o['uid']}, held by pid {held})"
         out.append(f"{o['name']}  {what}; {_size(o['segment_bytes'])}")
     if listing["other"]:
         out.append("")

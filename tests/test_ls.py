@@ -2,6 +2,7 @@
 changes a segment."""
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
@@ -282,10 +283,14 @@ def test_ls_watch_refreshes_until_interrupted():
                 p.wait()
 
 
-def _memfd(name: str, data: bytes) -> int:
-    fd = os.memfd_create(name)
+def _memfd(name: str, data: bytes, sealed: bool = True) -> int:
+    """A memory file named ``name`` holding ``data``, sealed as fastmq seals
+    its segments unless ``sealed`` is false."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0))
     try:
         os.write(fd, data)
+        if sealed:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, kids.SEALS)
     except BaseException:
         os.close(fd)
         raise
@@ -300,12 +305,14 @@ def test_ls_reports_unreadable_segments(capsys):
             f"fastmq_{me}_ring_00000000bbbb": b"\x01" * 8192,
             f"fastmq_{me}_arena_00000000cccc": b"\x02" * 8192,
             f"fastmq_{me}_ring_00000000dddd": b"",
-            f"fastmq_{me}_blob_00000000eeee": b"\x03" * 4096}
+            f"fastmq_{me}_blob_00000000eeee": b"\x03" * 4096,
+            # Not sealed: a holder may cut it under a mapping, so ls does not map it.
+            f"fastmq_{me}_ring_00000000ffff": b"\x04" * 8192}
     fds = []
     mq = None
     try:
         for name, data in junk.items():
-            fds.append(_memfd(name, data))
+            fds.append(_memfd(name, data, sealed=not name.endswith("ffff")))
         mq = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2,
                           enable_shm_tensor_arena=False)
         real = mq.export_handle().buffer_handle[3].split(":")[0]
@@ -319,6 +326,9 @@ def test_ls_reports_unreadable_segments(capsys):
         assert "not a fastmq arena" in other[names[2]]["error"]
         assert other[names[3]]["error"] == "empty segment"
         assert other[names[4]]["error"] is None and other[names[4]]["kind"] == "blob"
+        assert other[names[5]]["error"].startswith(
+            "not sealed against shrinking and growing, as fastmq seals its segments: "
+            "not mapped"), other[names[5]]
         for name in names[:3] + names[4:]:
             assert other[name]["segment_bytes"] == len(junk[name])
             assert len(junk[name]) <= other[name]["held_bytes"] <= 8192
