@@ -15,6 +15,7 @@ import ctypes
 import itertools
 import os
 import subprocess
+import sys
 import time
 
 CLONE_NEWNET = 0x40000000
@@ -194,3 +195,72 @@ def filling_writer(ip: str, handle_conn, env: dict):
     del mq
     gc.collect()
     handle_conn.send("closed")
+
+
+# -- vLLM across a link that can be cut (tests/test_vllm_silent_node.py) --------------
+# As tests/_multinode_worker.py's two nodes (its worker class), but the
+# nodes talk over the veth pair: node 0 (engine, worker 0) in the
+# namespace, node 1 (headless, worker 1) on this side.  The addresses come
+# from the environment (FASTMQ_TEST_MASTER_ADDR, VLLM_HOST_IP, GLOO_SOCKET_IFNAME).
+def _vllm_config(node_rank: int):
+    from _vllm_models import tiny_model
+    from vllm.engine.arg_utils import EngineArgs
+
+    model = tiny_model(os.environ["FASTMQ_TEST_MODEL_DIR"])
+    args = EngineArgs(model=model, skip_tokenizer_init=True, tensor_parallel_size=2,
+                      distributed_executor_backend="mp",
+                      worker_cls="_multinode_worker.MultiNodeWorker", enforce_eager=True,
+                      max_model_len=256, nnodes=2, node_rank=node_rank,
+                      master_addr=os.environ["FASTMQ_TEST_MASTER_ADDR"],
+                      master_port=int(os.environ["FASTMQ_TEST_MASTER_PORT"]))
+    return args.create_engine_config(headless=node_rank > 0)
+
+
+def vllm_engine() -> None:
+    """Node 0: the executor, round trips through both workers, then says
+    IDLE and waits (worker 1 waits in its dequeue) until it is killed."""
+    import json
+
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    executor = MultiprocExecutor(_vllm_config(0))
+    workers = executor.collective_rpc("queues")
+    for i in range(50):
+        assert executor.collective_rpc("echo", args=(i,)) == [i, i]
+    print("IDLE " + json.dumps({"engine_pid": os.getpid(),
+                                "worker_pids": [w["pid"] for w in workers]}), flush=True)
+    time.sleep(3600)
+
+
+def vllm_headless() -> None:
+    """Node 1: as ``vllm serve --nnodes 2 --node-rank 1 --headless``; when
+    it ends, how, and what is left on this node."""
+    import gc
+    import json
+    import signal as _signal
+
+    import _executor_worker as ew
+    from _multinode_worker import _leftovers
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    def stop(signum, frame):
+        raise SystemExit
+
+    _signal.signal(_signal.SIGTERM, stop)
+    executor = MultiprocExecutor(_vllm_config(1), monitor_workers=False)
+    pids = [w.proc.pid for w in executor.workers]
+    out = {"node_pid": os.getpid(), "worker_pids": pids, "stopped": False}
+    print("NODE1 " + json.dumps(out), flush=True)
+    try:
+        executor.start_worker_monitor(inline=True)
+    except SystemExit:
+        out["stopped"] = True
+        out["stopped_at"] = time.time()
+    finally:
+        executor.shutdown()
+    del executor
+    gc.collect()
+    out["alive_after_shutdown"], out["alive_detail"] = ew.still_alive(pids)
+    out["leftovers"] = _leftovers([os.getpid(), *pids])
+    print("RESULT " + json.dumps(out), flush=True)
+    sys.exit(0)
