@@ -103,9 +103,10 @@ _writer_gone_hooks: list = []
 
 
 def add_writer_gone_hook(hook) -> None:
-    """Call ``hook(error)`` when a remote reader's writer is gone (it shut
-    the queue down, or its connection was cut), once per queue, before
-    ``dequeue`` raises ``error``; until ``remove_writer_gone_hook``.  A hook
+    """Call ``hook(error, queue)`` when the writer of ``queue``, a remote
+    reader, is gone (it shut the queue down, or its connection was cut),
+    once per queue, before ``dequeue`` raises ``error``; until
+    ``remove_writer_gone_hook``.  A hook
     that returns a number of seconds makes that ``dequeue`` first wait so
     long (at most its own timeout) for ``shutdown()``, which then raises
     ``RuntimeError("cancelled")`` as any shutdown does.  ``fastmq.vllm``
@@ -303,7 +304,7 @@ class MessageQueue:
         if not self._told_writer_gone:
             self._told_writer_gone = True
             for hook in list(_writer_gone_hooks):
-                grace = max(grace, hook(error) or 0.0)
+                grace = max(grace, hook(error, self) or 0.0)
         if timeout is not None:
             grace = min(grace, max(timeout, 0.0))
         if grace > 0 and self._end.wait_shutdown(grace):

@@ -6,10 +6,13 @@ The writer is a process of its own that sends one message and is then
 SIGKILLed: its remote reader sees the connection cut."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -37,7 +40,8 @@ def _kill(pid):
         pass
 
 
-def _run(tmp_path, worker_name: str, ignore_sigterm: bool, grace_s: float = 30.0):
+def _run(tmp_path, worker_name: str, ignore_sigterm: bool, grace_s: float = 30.0,
+         role: str = "broadcast"):
     """Writer, node and worker; the writer killed once the worker has its
     first message.  Returns the node's and the worker's events."""
     parent, child = SPAWN.Pipe()
@@ -48,7 +52,8 @@ def _run(tmp_path, worker_name: str, ignore_sigterm: bool, grace_s: float = 30.0
     try:
         handle = parent.recv()
         node = SPAWN.Process(target=nc.node,
-                             args=(handle, str(tmp_path), worker_name, ignore_sigterm, grace_s))
+                             args=(handle, str(tmp_path), worker_name, ignore_sigterm, grace_s,
+                                   role))
         node.start()
         OUR_PIDS.add(node.pid)
         wait_for(lambda: any(e["event"] == "first" for e in _events(tmp_path / "worker.jsonl")),
@@ -102,3 +107,34 @@ def test_any_other_reader_raises_at_once_and_signals_nobody(tmp_path, name):
     raised = worker[-1]
     assert "was cut before the writer closed the queue" in raised["error"], raised
     assert raised["seconds"] < 20, raised
+
+
+def test_a_users_own_queue_in_a_vllm_worker_raises_and_signals_nobody(tmp_path):
+    """Before, any remote queue a vLLM worker read stopped its parent when
+    its writer went: on one node that parent is the engine core.  A queue
+    of the user's own, read inside a request vLLM's busy loop runs, raises
+    its error at once and leaves the node alone."""
+    node, worker = _run(tmp_path, "VllmWorker-1", ignore_sigterm=False, role="own")
+    assert [e["event"] for e in node] == ["started", "worker exited"], node
+    raised = worker[-1]
+    assert raised["event"] == "raised", worker
+    assert raised["error"].startswith("WriterGoneError: fastmq: "), raised
+    assert "was cut before the writer closed the queue" in raised["error"], raised
+    assert raised["seconds"] < 20, raised
+
+
+def test_vllms_own_busy_loop_is_recognised(tmp_path):
+    """The stand-in above is vLLM 0.33.0's shape: in vLLM's real
+    ``WorkerProc.worker_busy_loop`` the queue it reads is recognised as the
+    scheduler broadcast, and no other queue is."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (bash .ci/setup installs vLLM 0.33.0)")
+    code = ("import json, _node_end_children as nc; "
+            "print(json.dumps(nc.recognised_in_vllms_busy_loop()))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"its rpc_broadcast_mq": True,
+                                                      "another queue": False}

@@ -17,9 +17,20 @@ ends with ``RuntimeError("cancelled")``, as in any vLLM shutdown.  If
 nothing shuts the queue down within ``GRACE_S``, it raises the original
 error after all.
 
-Only in a worker of vLLM's ``MultiprocExecutor`` (its process name) whose
-parent is still the process that started it; anywhere else (Ray's
-workers, standalone use) the reader raises as before.
+Only for that queue, the scheduler broadcast (``rpc_broadcast_mq``), in a
+worker of vLLM's ``MultiprocExecutor`` (its process name) whose parent is
+still the process that started it; anywhere else (Ray's workers,
+standalone use) and for every other queue, the user's own included, the
+reader raises as before: on one node the worker's parent is the engine
+core, which a user's queue must not stop.
+
+How the queue is recognised: it is the one vLLM's ``WorkerProc`` holds as
+``rpc_broadcast_mq`` and reads in its busy loop, and the ``dequeue`` that
+found the writer gone is that loop's (the ``WorkerProc`` is ``self`` of a
+frame on the way to the hook).  Nothing at creation can mark it on a node
+whose engine is elsewhere: there vLLM's ``parallel_state`` attaches it,
+from a handle received over the process group, and nothing in the handle
+says which queue it is.
 """
 from __future__ import annotations
 
@@ -27,11 +38,17 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 
 logger = logging.getLogger("fastmq")
 
 # MultiprocExecutor names each worker process "VllmWorker-<rank>".
 WORKER_PREFIX = "VllmWorker-"
+# Where vLLM's WorkerProc is, and the attribute it keeps its scheduler
+# broadcast queue in.
+EXECUTOR = "vllm.v1.executor.multiproc_executor"
+WORKER_CLASS = "WorkerProc"
+BROADCAST_ATTR = "rpc_broadcast_mq"
 GRACE_S = 30.0
 
 
@@ -47,10 +64,30 @@ def node_process() -> int | None:
     return parent.pid
 
 
-def on_writer_gone(error) -> float | None:
-    """``fastmq.queue``'s writer-gone hook while fastmq is active in vLLM."""
+def is_scheduler_broadcast(queue) -> bool:
+    """Whether ``queue`` is the scheduler broadcast of a vLLM worker in this
+    process, read by the caller: a ``WorkerProc`` (vLLM's, from ``EXECUTOR``)
+    that holds ``queue`` as its ``rpc_broadcast_mq`` is ``self`` in one of
+    the calling frames (its busy loop's ``dequeue``)."""
+    executor = sys.modules.get(EXECUTOR)
+    worker_class = getattr(executor, WORKER_CLASS, None)
+    if not isinstance(worker_class, type):
+        return False        # no vLLM executor here: not vLLM's worker
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if (isinstance(owner, worker_class)
+                and getattr(owner, BROADCAST_ATTR, None) is queue):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def on_writer_gone(error, queue) -> float | None:
+    """``fastmq.queue``'s writer-gone hook while fastmq is active in vLLM:
+    ``queue`` (a remote reader) found its writer gone with ``error``."""
     pid = node_process()
-    if pid is None:
+    if pid is None or not is_scheduler_broadcast(queue):
         return None
     logger.log(logging.INFO if getattr(error, "clean", False) else logging.WARNING,
                "%s. Stopping this node's vLLM process (pid %d) with SIGTERM, as an "
