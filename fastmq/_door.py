@@ -224,7 +224,7 @@ class Door:
     def close(self, linger: int = 0) -> None:
         """Stop answering; the name goes with the socket, and the door's
         copies of the descriptors with it (in the thread, which close()
-        wakes).  In a forked child, which has no such thread, it closes
+        wakes and waits for).  In a forked child, which has no such thread, it closes
         the child's copies at once.  (``linger``: closed with the queue's
         sockets, as they are.)"""
         if self._stop:
@@ -237,6 +237,10 @@ class Door:
             os.write(self._wake_w, b"\0")
         except OSError:
             pass
+        if self._thread is not threading.current_thread():
+            # Its copies of the descriptors are closed when this returns:
+            # a closed queue holds no memory.
+            self._thread.join(5.0)
 
     def _release(self) -> None:
         # Once, whoever comes first (the thread, or close() when there is
