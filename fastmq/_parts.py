@@ -98,12 +98,15 @@ def readers_take_parts(ring, total: int, until: float | None) -> bool:
     for the next chunk, so each takes the parts as they come and none is
     left in a chunk that a later message needs.  Readers that have read
     every chunk are given up to ``ON_THEIR_WAY_NS_PER_MIB`` (no later than
-    ``until``, a ``time.monotonic()`` deadline) to come to that wait; a
-    reader with a chunk still unread is busy elsewhere, so no."""
-    if ring.readers_waiting():
-        return True
+    ``until``, a ``time.monotonic()`` deadline) to come to that wait."""
+    # Every chunk read first, then the waiting marks: a reader whose mark
+    # is still set from its wait for a chunk now published (the last
+    # message) will return that message from dequeue() and may read no
+    # further; a mark seen after its read is a wait for the chunk to come.
     if ring.free_chunks() < ring.max_chunks:
         return False
+    if ring.readers_waiting():
+        return True
     end = time.monotonic_ns() + min(total * ON_THEIR_WAY_NS_PER_MIB >> 20,
                                     ON_THEIR_WAY_MAX_NS)
     if until is not None:

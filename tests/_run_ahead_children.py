@@ -25,9 +25,10 @@ KiB, MiB = 1 << 10, 1 << 20
 ENQUEUE_TIMEOUT = 5.0
 
 # name: (readers, arena, fastmq-only arena options, max_chunk_bytes,
-# max_chunks, messages as (kind, size)).  Every case enqueues at most
-# max_chunks messages with no reader reading: vLLM's writer returns from
-# each (one chunk a message, whatever its size).
+# max_chunks, messages as (kind, size)[, True: each reader is waiting in
+# dequeue() for the first message, and reads no other]).  Every case
+# enqueues at most max_chunks messages that no reader reads: vLLM's writer
+# returns from each (one chunk a message, whatever its size).
 _SEEN = [("bytes", 100), ("bytes", 128 * KiB), ("tensor", 2 * MiB)]
 _FULL = [("bytes", 128 * KiB), ("bytes", 100), ("tensor", 2 * MiB), ("bytes", 200 * KiB)]
 CASES = {
@@ -42,6 +43,11 @@ CASES = {
     # A message that fits a chunk but is large enough for parts, then one more.
     **{f"fits-a-chunk-n{n}": (n, False, {}, 8 * MiB, 2,
                               [("tensor", 6 * MiB), ("bytes", 100)]) for n in (1, 2)},
+    # The readers wait for the first message, take it and read no more: the
+    # large one right behind it finds them still marked waiting.
+    **{f"first-read-n{n}": (n, False, {}, 64 * KiB, 4,
+                            [("bytes", 100), ("bytes", 128 * KiB)] + [("bytes", 100)] * 3, True)
+       for n in (1, 2)},
 }
 
 
@@ -61,8 +67,29 @@ def same(got, want) -> bool:
     return isinstance(got, torch.Tensor) and torch.equal(got, want)
 
 
+def _first_readers(w, rs, is_fastmq: bool) -> list:
+    """A thread per reader, each in dequeue() for one message."""
+    import time
+
+    firsts = [None] * len(rs)
+
+    def read(k):
+        firsts[k] = rs[k].dequeue(timeout=30)
+
+    ts = [threading.Thread(target=read, args=(k,), daemon=True) for k in range(len(rs))]
+    for t in ts:
+        t.start()
+    if is_fastmq:
+        deadline = time.monotonic() + 30
+        while not w._end.ring.readers_waiting() and time.monotonic() < deadline:
+            time.sleep(0.001)
+    else:
+        time.sleep(0.5)     # vLLM's ring shows no waiting reader: time to get there
+    return ts, firsts
+
+
 def run_case(MessageQueue, is_fastmq: bool, case) -> dict:
-    n, arena, fastmq_opts, chunk, chunks, spec = case
+    n, arena, fastmq_opts, chunk, chunks, spec, *first_read = case
     kw = dict(max_chunk_bytes=chunk, max_chunks=chunks, enable_shm_tensor_arena=arena)
     if is_fastmq:
         kw.update(fastmq_opts)
@@ -76,6 +103,9 @@ def run_case(MessageQueue, is_fastmq: bool, case) -> dict:
     t.join(30)
     msgs = [message(kind, size, seq) for seq, (kind, size) in enumerate(spec)]
     out = {"returned": 0, "error": None, "delivered": None}
+    firsts = None
+    if first_read and first_read[0]:
+        threads, firsts = _first_readers(w, rs, is_fastmq)
     for m in msgs:
         try:
             w.enqueue(m, timeout=ENQUEUE_TIMEOUT)
@@ -83,9 +113,17 @@ def run_case(MessageQueue, is_fastmq: bool, case) -> dict:
             out["error"] = f"{type(e).__name__}: {e}"
             break
         out["returned"] += 1
-    if out["returned"] == len(msgs):
-        # Every reader, every message, in order and intact; and nothing more.
-        out["delivered"] = all(same(r.dequeue(timeout=30), m) for r in rs for m in msgs)
+    if firsts is not None:
+        for t in threads:
+            t.join(30)
+        first_ok = all(same(got, msgs[0]) for got in firsts)
+        msgs = msgs[1:]
+    else:
+        first_ok = True
+    if out["returned"] == len(spec):
+        # Every reader, every message, in order and intact.
+        out["delivered"] = first_ok and all(same(r.dequeue(timeout=30), m)
+                                            for r in rs for m in msgs)
     if is_fastmq:
         st = w.stats()
         out["paths"] = {k: st.get(k, 0) for k in ("ring_messages", "parts_messages",
