@@ -303,3 +303,48 @@ def test_the_bound_is_validated(monkeypatch, value, why):
     monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", value)
     with pytest.raises(ValueError, match=f"FASTMQ_PEER_TIMEOUT_S='{value}' {why}"):
         MessageQueue(1, 0, connect_ip="127.0.0.1")
+
+
+def test_a_writer_of_the_earlier_wire_version_is_refused():
+    """Heartbeats changed the wire (version 3): a reader refuses a writer
+    that speaks version 2 in the handshake, before any message, as an
+    earlier reader refuses this writer (its challenge says version 3)."""
+    import dataclasses
+    import socket
+
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    fake = socket.socket()
+    fake.bind(("127.0.0.1", 0))
+    fake.listen()
+    handle = dataclasses.replace(
+        w.export_handle(), remote_subscribe_addr=f"tcp://127.0.0.1:{fake.getsockname()[1]}")
+    r = MessageQueue.create_from_handle(handle, 0)
+    conn, _ = fake.accept()
+    try:
+        conn.sendall(_wire.CHALLENGE.pack(_wire.MAGIC, 2, _wire.MODE_CODES["mac"],
+                                          bytes(16), bytes(32)))
+        e, _ = _ends_within(r.wait_until_ready, 10, r.shutdown)
+        assert isinstance(e, RuntimeError) and \
+            "version 2, this reader speaks 3" in str(e), repr(e)
+        # And this writer's challenge says 3, which an earlier reader refuses.
+        t = threading.Thread(target=_quietly, args=(w.wait_until_ready,), daemon=True)
+        t.start()
+        with socket.create_connection(_wire.parse_address(w.export_handle()
+                                                          .remote_subscribe_addr)) as s:
+            s.settimeout(10)
+            got = b""
+            while len(got) < _wire.PREAMBLE.size:
+                got += s.recv(64)
+            assert _wire.PREAMBLE.unpack_from(got)[1] == _wire.VERSION == 3
+        w.shutdown()
+        t.join(10)
+    finally:
+        conn.close()
+        fake.close()
+
+
+def _quietly(call):
+    try:
+        call()
+    except RuntimeError:
+        pass    # (cancelled)
