@@ -125,9 +125,9 @@ def parse_mountinfo(bytes text):
             sep = fields.index("-", 6)
         except ValueError:
             continue
-        if len(fields) < sep + 3:
+        if len(fields) < sep + 4:        # fstype, source, super options
             continue
-        fstype, opts = fields[sep + 1], fields[sep + 3].split(",") if len(fields) > sep + 3 else []
+        fstype, opts = fields[sep + 1], fields[sep + 3].split(",")
         point = _unescape(fields[4])
         if fstype == "cgroup" and "memory" in opts:
             found[point] = (1, _unescape(fields[3]), point)
@@ -238,7 +238,8 @@ cdef long long _reclaimable(dict st, int version):
 
 
 cdef object _read_limit(str path, int version):
-    # The limit in ``path`` (bytes), -1 for none; None if the file is not there.
+    # The limit in ``path`` (bytes), -1 for none; FileNotFoundError if the
+    # file is not there.
     text = _read(path).strip()
     if version == 2 and text == b"max":
         return -1
