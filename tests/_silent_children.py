@@ -217,19 +217,35 @@ def _vllm_config(node_rank: int):
 
 
 def vllm_engine() -> None:
-    """Node 0: the executor, round trips through both workers, then says
-    IDLE and waits (worker 1 waits in its dequeue) until it is killed."""
+    """Node 0: the executor, then round trips through both workers without
+    end (BUSY once they run), until it is killed or one raises: then
+    RAISED with the error and how long after the first BUSY, and what is
+    left after vLLM's shutdown."""
+    import gc
     import json
 
+    import _executor_worker as ew
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     executor = MultiprocExecutor(_vllm_config(0))
     workers = executor.collective_rpc("queues")
-    for i in range(50):
-        assert executor.collective_rpc("echo", args=(i,)) == [i, i]
-    print("IDLE " + json.dumps({"engine_pid": os.getpid(),
-                                "worker_pids": [w["pid"] for w in workers]}), flush=True)
-    time.sleep(3600)
+    pids = [w["pid"] for w in workers]
+    i = 0
+    try:
+        while True:
+            assert executor.collective_rpc("echo", args=(i,)) == [i, i]
+            i += 1
+            if i == 20:
+                print("BUSY " + json.dumps({"engine_pid": os.getpid(), "worker_pids": pids,
+                                            "at": time.time()}), flush=True)
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}", "at": time.time(), "calls": i}
+    print("RAISED " + json.dumps(out), flush=True)
+    executor.shutdown()
+    del executor
+    gc.collect()
+    out["alive_after_shutdown"], _ = ew.still_alive(pids[:1])
+    print("RESULT " + json.dumps(out), flush=True)
 
 
 def vllm_headless() -> None:

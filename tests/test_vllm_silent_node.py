@@ -1,16 +1,18 @@
-"""vLLM 0.33.0's multi-node ``MultiprocExecutor`` when the engine's node
-goes silent: node 0 (engine core and worker 0) runs in a network namespace
-of its own, joined to node 1 (headless, worker 1; its own ``/dev/shm``) by
-a veth pair (``_silent_children.SilentNode``).  Once the engine has run
-round trips through both workers and waits, node 0's link is set down and
-its processes are SIGKILLed: nothing leaves node 0.
+"""vLLM 0.33.0's multi-node ``MultiprocExecutor`` when a node goes silent:
+node 0 (engine core and worker 0) and node 1 (headless, worker 1; its own
+``/dev/shm``) are joined by a veth pair, one of them in a network
+namespace of its own (``_silent_children.SilentNode``).  While the engine
+runs round trips through both workers, that node's link is set down and
+its processes are SIGKILLed: nothing leaves it.  With vLLM's own queue the
+other node would wait for ever.
 
-With vLLM's own queue worker 1 would wait in its ``dequeue`` for ever.
-With fastmq, worker 1's remote reader finds its writer silent within the
-bound (``FASTMQ_PEER_TIMEOUT_S``) and raises ``WriterGoneError`` (not
-clean), which inside vLLM stops the node through vLLM's own shutdown, as
-when the engine exited (``fastmq.vllm._node_end``): node 1 ends by itself
-and leaves nothing.
+* The engine's node goes silent: worker 1's remote reader finds its writer
+  silent within the bound (``FASTMQ_PEER_TIMEOUT_S``) and raises
+  ``WriterGoneError`` (not clean), which inside vLLM stops the node
+  through vLLM's own shutdown, as when the engine exited
+  (``fastmq.vllm._node_end``): node 1 ends by itself and leaves nothing.
+* The worker's node goes silent: the engine's round trip raises, naming
+  worker 1 (its pid) as gone silent, as it names a killed worker.
 """
 from __future__ import annotations
 
@@ -46,10 +48,10 @@ pytestmark = [
 ]
 
 
-def _env(tmp, node, model, port: int, ip: str, dev: str) -> dict:
+def _env(tmp, node, model, port: int, master: str, ip: str, dev: str) -> dict:
     env = _nodes.node_env(str(tmp), FASTMQ_VLLM="1", FASTMQ_TEST_MODEL_DIR=str(model),
                           FASTMQ_TEST_MASTER_PORT=str(port),
-                          FASTMQ_TEST_MASTER_ADDR=node.node_ip, VLLM_HOST_IP=ip,
+                          FASTMQ_TEST_MASTER_ADDR=master, VLLM_HOST_IP=ip,
                           GLOO_SOCKET_IFNAME=dev, FASTMQ_PEER_TIMEOUT_S=f"{BOUND:g}",
                           VLLM_CONFIGURE_LOGGING="1", VLLM_LOGGING_LEVEL="INFO",
                           **ENGINE_ENV)
@@ -58,72 +60,113 @@ def _env(tmp, node, model, port: int, ip: str, dev: str) -> dict:
     return env
 
 
-def _wait_for(path, prefix: str, timeout: float, proc) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(prefix):
-                    return json.loads(line[len(prefix):])
-        if proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    with open(path) as f:
-        pytest.fail(f"no {prefix.strip()} line from node 0:\n{f.read()[-6000:]}")
+class _Two:
+    """The two nodes, ``silent`` (0 or 1) the one in the namespace."""
+
+    def __init__(self, tmp_path, silent: int):
+        self.net = net = sc.SilentNode()
+        self.procs, self.logs = {}, {}
+        model = tmp_path / "model"
+        model.mkdir()
+        port = random.randrange(20000, 30000)   # free: the namespace is new
+        where = {silent: (net.node_ip, net.node_dev), 1 - silent: (net.host_ip, net.host_dev)}
+        master = where[0][0]
+        try:
+            for rank, call in ((1, "vllm_headless"), (0, "vllm_engine")):
+                tmp = tmp_path / f"node{rank}"
+                tmp.mkdir()
+                env = _env(tmp, net, model, port, master, *where[rank])
+                argv = [sys.executable, "-c", f"import _silent_children as s; s.{call}()"]
+                if rank == 1:     # a /dev/shm of its own (as _nodes.Node)
+                    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            _nodes._OWN_SHM, "sh", *argv]
+                if rank == silent:
+                    argv = ["ip", "netns", "exec", net.name, *argv]
+                self.logs[rank] = tmp_path / f"node{rank}.log"
+                with open(self.logs[rank], "w") as out:
+                    self.procs[rank] = subprocess.Popen(
+                        argv, env=env, cwd=str(tmp), stdout=out, stderr=subprocess.STDOUT,
+                        start_new_session=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def output(self, rank: int) -> str:
+        with open(self.logs[rank]) as f:
+            return f.read()
+
+    def line(self, rank: int, prefix: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            for ln in self.output(rank).splitlines():
+                if ln.startswith(prefix):
+                    return json.loads(ln[len(prefix):])
+            if time.monotonic() > deadline or self.procs[rank].poll() is not None:
+                pytest.fail(f"no {prefix.strip()} line from node {rank} within "
+                            f"{timeout:.0f} s:\n{self.output(rank)[-6000:]}\n"
+                            f"node {1 - rank}:\n{self.output(1 - rank)[-3000:]}")
+            time.sleep(0.5)
+
+    def silence(self, rank: int) -> float:
+        """Node ``rank`` (the one in the namespace) is cut off, then killed."""
+        self.net.cut()
+        os.killpg(self.procs[rank].pid, signal.SIGKILL)
+        return time.monotonic()
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        self.net.close()
 
 
 def test_a_node_whose_engines_node_went_silent_ends_by_itself(tmp_path):
-    node = sc.SilentNode()
-    model = tmp_path / "model"
-    model.mkdir()
-    tmp0, tmp1 = tmp_path / "node0", tmp_path / "node1"
-    tmp0.mkdir()
-    tmp1.mkdir()
-    port = random.randrange(20000, 30000)   # free: node 0's namespace is new
-    log0 = tmp_path / "node0.log"
-    node0 = node1 = None
+    two = _Two(tmp_path, silent=0)
     try:
-        node1 = _nodes.Node("import _silent_children as s; s.vllm_headless()",
-                            _env(tmp1, node, model, port, node.host_ip, node.host_dev),
-                            str(tmp_path / "node1.log"), own_shm=True, cwd=str(tmp1))
-        with open(log0, "w") as out:
-            node0 = subprocess.Popen(
-                ["ip", "netns", "exec", node.name, sys.executable, "-c",
-                 "import _silent_children as s; s.vllm_engine()"],
-                env=_env(tmp0, node, model, port, node.node_ip, node.node_dev),
-                cwd=str(tmp0), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
-        idle = _wait_for(log0, "IDLE ", 600, node0)
-        cut = time.monotonic()
-        node.cut()
-        os.killpg(node0.pid, signal.SIGKILL)
+        busy = two.line(0, "BUSY ", 600)
+        cut = two.silence(0)
         try:
-            node1.wait(2 * BOUND + SHUTDOWN_S)
+            two.procs[1].wait(2 * BOUND + SHUTDOWN_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"node 1 still runs {2 * BOUND + SHUTDOWN_S:.0f} s after its "
-                        f"engine's node went silent:\n{node1.output()[-6000:]}")
+                        f"engine's node went silent:\n{two.output(1)[-6000:]}")
         ended_after = time.monotonic() - cut
-        out1 = node1.output()
-        results = [json.loads(ln[len("RESULT "):]) for ln in out1.splitlines()
-                   if ln.startswith("RESULT ")]
-        assert results, out1[-6000:]
-        r = results[-1]
+        out1 = two.output(1)
+        r = two.line(1, "RESULT ", 0)
         print(f"node 1 ended {ended_after:.1f} s after the cut; {r}")
         stopping = [ln for ln in out1.splitlines()
                     if "Stopping this node's vLLM process" in ln]
         assert stopping and "went silent" in stopping[0], out1[-6000:]
-        assert f"pid {idle['engine_pid']}" in stopping[0] or node.node_ip in stopping[0]
+        assert two.net.node_ip in stopping[0], stopping[0]
         assert r["stopped"] is True, r
         assert r["alive_after_shutdown"] == [], r
         assert r["leftovers"] == {"shm": [], "tmpdir": [], "of_pids": []}, r
-        assert node1.proc.returncode == 0, out1[-6000:]
+        assert two.procs[1].returncode == 0, out1[-6000:]
+        assert busy["worker_pids"][1] in r["worker_pids"]
     finally:
-        if node0 is not None:
-            try:
-                os.killpg(node0.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            node0.wait(30)
-        if node1 is not None:
-            node1.kill()
-        node.close()
+        two.close()
+
+
+def test_an_engine_whose_workers_node_went_silent_names_that_worker(tmp_path):
+    two = _Two(tmp_path, silent=1)
+    try:
+        busy = two.line(0, "BUSY ", 600)
+        cut = time.time()
+        two.silence(1)
+        raised = two.line(0, "RAISED ", 2 * BOUND + 30)
+        print(f"engine raised {raised['at'] - cut:.1f} s after the cut: {raised['error']}")
+        assert raised["at"] - cut <= 2 * BOUND + 3, raised
+        victim = busy["worker_pids"][1]
+        assert raised["error"].startswith(("WriterGoneError: fastmq: ",
+                                           "ReaderGoneError: fastmq: ")), raised
+        assert f"pid {victim}" in raised["error"] and "went silent" in raised["error"], raised
+        result = two.line(0, "RESULT ", SHUTDOWN_S)
+        assert result["alive_after_shutdown"] == [], result
+    finally:
+        two.close()
