@@ -74,13 +74,12 @@ PARTS_MIN = 4 << 20
 # reused memory; smaller ones are plain bytearrays.
 POOLED_MIN = POOLED_MIN_BYTES
 # Readers that have read every message so far but are not waiting yet are
-# between two dequeue() calls: a reader that answers its message and asks
-# for the next comes back within microseconds.  The writer gives them this
-# long per MiB of the message (at most ON_THEIR_WAY_MAX_NS) to show as
-# waiting before it sends the message the way vLLM does: a few percent of
-# that way's copies, so that readers busy elsewhere cost it little, and
-# enough that a reader still letting go of its last large message is in
-# time.
+# between two dequeue() calls: in fastmq-bench's tensor rows (each reader
+# answers each message, then asks for the next) they came to their wait
+# within microseconds, a few hundred at most.  The writer gives them this
+# long per MiB of the message (at most ON_THEIR_WAY_MAX_NS) before it sends
+# the message the way vLLM does: a few percent of what that way's copies
+# take, so that readers busy elsewhere cost it little.
 ON_THEIR_WAY_NS_PER_MIB = 16_000
 ON_THEIR_WAY_MAX_NS = 4_000_000
 
