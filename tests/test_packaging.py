@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DIST = "vllm-fastmq"
-COMPILED = ["_segment", "_sink", "_ring", "_ring_writer", "_ring_reader", "_arena", "_arena_pages",
+COMPILED = ["_segment", "_memory", "_sink", "_ring", "_ring_writer", "_ring_reader", "_arena", "_arena_pages",
             "_arena_writer", "_arena_reader", "_floor"]
 
 # What the sdist must carry beyond the package: the test suite with its
