@@ -11,12 +11,16 @@ Every ring and arena lives in a ``memfd_create`` file, never in ``/dev/shm``:
 * its size is not bounded by the ``/dev/shm`` mount (Docker's 64 MiB), only
   by memory; ``reserve`` allocates pages up front (``posix_fallocate``), so
   memory that cannot be had is an exception, not a fault mid-copy;
-* a reader on the same host opens the creator's descriptor through
-  ``/proc/<creator pid>/fd/<fd>``.  The kernel allows that only to a process
-  that may inspect the creator (the same user, by default), which is the
-  owner-only permission a ``0600`` file had.  The locator a handle carries
-  also names the file's inode, which the opener checks, so a reused pid or
-  descriptor number is refused rather than mapped;
+* a queue's local reader gets the creator's descriptor itself, passed
+  over a unix socket (``fastmq._door``, ``SCM_RIGHTS``), and lends it to
+  this module (``lend_descriptor``) before it attaches; any other opener
+  goes through ``/proc/<creator pid>/fd/<fd>``, which the kernel allows
+  only to a process that may inspect the creator (same user, creator
+  dumpable, no fewer capabilities).  The locator a handle carries also
+  names the file's inode, which the opener checks, so a reused pid or
+  descriptor number is refused rather than mapped; and the file must be
+  sealed against shrinking and growing, so that no holder can cut it under
+  this mapping;
 * the mapping's lifetime follows the buffers exported from it.  A tensor
   viewing an arena slot holds a buffer export on this object, and
   ``close()`` while exports are alive defers the ``munmap`` to the moment the
@@ -42,6 +46,7 @@ cdef extern from "fcntl.h" nogil:
     int fcntl(int fd, int cmd, ...)
     enum:
         F_ADD_SEALS
+        F_GET_SEALS
         F_SEAL_SEAL
         F_SEAL_SHRINK
         F_SEAL_GROW
@@ -84,24 +89,76 @@ def parse_locator(str locator):
     return name, pid, fd_n, ino_n
 
 
+# Descriptors a local reader received from its writer (fastmq._door), by
+# segment name, until open_locator takes them: several readers of one queue
+# in one process each lend their own copy of the same file.
+_lent = {}
+
+
+def lend_descriptor(str name, int fd):
+    """Make ``fd`` (this process's descriptor of segment ``name``) the one
+    the next attach of ``name`` uses instead of ``/proc``; the attach takes
+    it over (and closes it)."""
+    _lent.setdefault(name, []).append(fd)
+
+
+def reclaim_descriptor(str name, int fd):
+    """Close ``fd`` if it is still lent (its segment was never attached)."""
+    fds = _lent.get(name)
+    if fds is not None and fd in fds:
+        fds.remove(fd)
+        if not fds:
+            del _lent[name]
+        os.close(fd)
+
+
+cdef int _take_lent(str name):
+    fds = _lent.get(name)
+    if not fds:
+        return -1
+    fd = fds.pop()
+    if not fds:
+        del _lent[name]
+    return fd
+
+
+cdef object _proc_open_error(int err, str name, int pid, bytes path):
+    """Why ``/proc/<pid>/fd/<n>`` could not be opened, and what to do."""
+    if err == ENOENT:
+        if os.path.exists("/proc/%d" % pid):
+            return FileNotFoundError(
+                err, "fastmq segment %r is gone: its creator (pid %d) closed it" % (name, pid))
+        return FileNotFoundError(
+            err, "fastmq segment %r cannot be found: its creator (pid %d) exited, or is not "
+            "visible from this process (another pid namespace or host, or /proc mounted "
+            "with hidepid); a queue's readers get its segments from the writer itself"
+            % (name, pid))
+    if err == EACCES or err == EPERM:
+        return PermissionError(
+            err, "cannot open fastmq segment %r through %s: the kernel refuses this process "
+            "ptrace access to its creator (pid %d): the creator runs as another user, is not "
+            "dumpable (it changed its uid, ran a setuid program or set PR_SET_DUMPABLE 0), "
+            "or has capabilities this process lacks. A queue's readers get its segments "
+            "from the writer itself; other tools need the creator's user and "
+            "CAP_SYS_PTRACE" % (name, path.decode(), pid))
+    return _os_error(err, "cannot open fastmq segment (through %s)" % path.decode(), name)
+
+
 cdef int open_locator(str locator, bint writable, struct_stat *st) except -1:
-    """Open the segment ``locator`` names through its creator's descriptor
-    and check that it is that file.  Returns the descriptor (the caller
-    closes it).  FileNotFoundError when the creator or its descriptor is
-    gone (or this process cannot see it: another pid namespace),
+    """Open the segment ``locator`` names (a descriptor lent by the writer
+    (``lend_descriptor``), else through its creator's descriptor in
+    ``/proc``) and check that it is that file, sealed.  Returns the
+    descriptor (the caller closes it).  FileNotFoundError when the creator
+    or its descriptor is gone (or this process cannot see it),
     PermissionError when the kernel does not let this process inspect the
-    creator."""
+    creator; both say why."""
     name, pid, fd_n, ino = parse_locator(locator)
     cdef bytes path = ("/proc/%d/fd/%d" % (pid, fd_n)).encode()
-    cdef int fd = c_open(path, (O_RDWR if writable else O_RDONLY) | O_CLOEXEC)
+    cdef int fd = _take_lent(name)
     if fd < 0:
-        err = errno
-        if err == ENOENT:
-            raise FileNotFoundError(
-                err, "fastmq segment %r is gone: its creator (pid %d) exited or closed it, "
-                "or is not visible from this process (another pid namespace or host)"
-                % (name, pid))
-        raise _os_error(err, "cannot open fastmq segment (through %s)" % path.decode(), name)
+        fd = c_open(path, (O_RDWR if writable else O_RDONLY) | O_CLOEXEC)
+        if fd < 0:
+            raise _proc_open_error(errno, name, pid, path)
     if fstat(fd, st) != 0:
         err = errno
         c_close(fd)
@@ -111,6 +168,12 @@ cdef int open_locator(str locator, bint writable, struct_stat *st) except -1:
         raise FileNotFoundError(
             ENOENT, "fastmq segment %r is gone: pid %d's descriptor %d is another file now "
             "(the creator exited and its pid or descriptor was reused)" % (name, pid, fd_n))
+    cdef int seals = fcntl(fd, F_GET_SEALS)
+    if seals < 0 or (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW):
+        c_close(fd)
+        raise PermissionError(
+            EPERM, "fastmq segment %r is not sealed against shrinking and growing: it is "
+            "not a fastmq segment, and mapping it could fault" % name)
     return fd
 
 

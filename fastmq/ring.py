@@ -39,7 +39,7 @@ def dead_peers() -> dict[int, list[str]]:
                     out.setdefault(pid, []).append(f"reader {r} of {buf.name}")
         else:
             pid = ring.writer_pid
-            if not ring.writer_closed and not _proc.is_alive(pid, ring.writer_start):
+            if not ring.writer_closed and not ring.writer_alive():
                 out.setdefault(pid, []).append(f"writer of {buf.name}")
     return out
 
