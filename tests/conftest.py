@@ -115,3 +115,13 @@ def procs():
 @pytest.fixture
 def spawn_ctx():
     return SPAWN
+
+
+@pytest.fixture
+def parts_as_if_waiting(monkeypatch):
+    """The writer sends parts as if every reader were waiting for the
+    message (it does only then: tests/test_run_ahead.py), so that a test of
+    the parts themselves can read after enqueue() returns; its messages
+    must fit the ring's free chunks, or the writer waits for the reader."""
+    from fastmq import _parts
+    monkeypatch.setattr(_parts, "readers_take_parts", lambda ring, total, until: True)

@@ -349,7 +349,7 @@ def test_mutate_after_enqueue_with_arena_enabled():
 
 
 # -- ring geometry ---------------------------------------------------------------
-def test_env_geometry_overrides_every_queue(monkeypatch):
+def test_env_geometry_overrides_every_queue(monkeypatch, parts_as_if_waiting):
     monkeypatch.setenv("FASTMQ_MAX_CHUNK_MB", "1")
     monkeypatch.setenv("FASTMQ_MAX_CHUNKS", "3")
     writer = MessageQueue(1, 1)              # vLLM's default: 24 MiB x 10

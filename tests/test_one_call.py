@@ -125,7 +125,7 @@ def test_enqueue_keeps_no_reference_to_the_message(chunk):
         (1, 0) if chunk == 1 << 16 else (0, 1))
 
 
-def test_ring_statuses_of_the_one_call_path():
+def test_ring_statuses_of_the_one_call_path(parts_as_if_waiting, monkeypatch):
     w, (r,) = local_pair(max_chunk_bytes=4096, max_chunks=2, enable_shm_tensor_arena=False)
     ring, enc = w._ring, w._end.encoder
     # A stale pickler is refused before anything is pickled or sent.
@@ -146,14 +146,16 @@ def test_ring_statuses_of_the_one_call_path():
     enc.sink.clear()
     with pytest.raises(RuntimeError, match="no pickled message"):
         ring.send_pickled(enc.sink, 1)
-    # The reader's side: a wait status, a message in parts (two fit the two
-    # free chunks), and an overflow mark (five parts would not).
+    # The reader's side: a wait status, a message in parts (two, in the two
+    # free chunks, as if the reader waited), and an overflow mark (the
+    # reader not waiting).
     rring = r._ring
     with pytest.raises(TimeoutError):
         rring.read_object(0.01)
     w.enqueue("z" * 8000)
     assert rring.read_object(5) is PENDING and rring.pending == PARTS
     assert r.dequeue(timeout=5) == "z" * 8000
+    monkeypatch.undo()
     w.enqueue("v" * 20000)
     assert rring.read_object(5) is PENDING and rring.pending == OVERFLOW
     assert r.dequeue(timeout=5) == "v" * 20000

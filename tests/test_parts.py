@@ -38,7 +38,7 @@ def _stream_length(n_bytes_inband: int) -> int:
 
 
 @pytest.mark.parametrize("extra", [-1, 0, 1])
-def test_stream_lengths_at_part_boundaries(extra):
+def test_stream_lengths_at_part_boundaries(extra, parts_as_if_waiting):
     # An in-band size whose part stream is exactly 5 parts, then one byte
     # either side: the last part full, one byte, or one byte short.
     n = 5 * PAYLOAD - _stream_length(0)
@@ -48,7 +48,7 @@ def test_stream_lengths_at_part_boundaries(extra):
         n += 1
     w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=8, enable_shm_tensor_arena=False)
     msg = bytes(range(256)) * ((n + extra) // 256) + b"\x07" * ((n + extra) % 256)
-    # No reader is reading: the parts fit the free ring, so enqueue() returns.
+    # The parts fit the free ring, so enqueue() returns before the reader reads.
     w.enqueue(msg, timeout=5)
     assert r.dequeue(timeout=5) == msg
     st = w.stats()
@@ -56,7 +56,7 @@ def test_stream_lengths_at_part_boundaries(extra):
     assert st["parts_bytes"] == _stream_length(len(msg))
 
 
-def test_buffers_of_many_sizes_to_two_readers_in_order():
+def test_buffers_of_many_sizes_to_two_readers_in_order(parts_as_if_waiting):
     w, rs = local_pair(2, max_chunk_bytes=CHUNK, max_chunks=40, enable_shm_tensor_arena=False)
     msgs = [[np.full(k * 1000 + 1, i, dtype=np.int64) for k in range(1, 30, 7)]
             + [torch.arange(300_000 + i, dtype=torch.int32)] for i in range(4)]
@@ -69,23 +69,21 @@ def test_buffers_of_many_sizes_to_two_readers_in_order():
     assert (w.stats()["parts_messages"], w.stats()["overflow_messages"]) == (len(msgs), 0)
 
 
-def test_a_message_larger_than_the_free_ring_takes_the_socket():
-    # Parts go only into chunks free now, so the writer never waits for a
-    # reader: a message that does not fit (the ring is smaller, or a chunk
-    # is still unread) goes over the overflow socket instead, in order.
-    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=5, enable_shm_tensor_arena=False)
-    three = b"\x03" * (2 * PAYLOAD + 1000)     # 3 parts
-    five = b"\x05" * 5 * PAYLOAD               # 6 parts: never fits 5 chunks
+def test_a_large_message_to_a_reader_not_waiting_takes_the_socket():
+    # Parts go only to readers waiting for them, so the writer never waits
+    # for a reader and never takes more than one chunk per message: with
+    # the reader not reading, a message too big for a chunk goes over the
+    # overflow socket (its mark in one chunk), in order, as in vLLM.
+    w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=3, enable_shm_tensor_arena=False)
+    three = b"\x03" * (2 * PAYLOAD + 1000)     # 3 parts: would fill the free ring
     w.enqueue(three, timeout=5)
-    w.enqueue(("small", 1), timeout=5)          # 4 chunks taken, 1 free
-    w.enqueue(five, timeout=5)                  # its mark in the free one
+    w.enqueue(("small", 1), timeout=5)
+    w.enqueue(three, timeout=5)                 # the third chunk: vLLM's run-ahead
     assert r.dequeue(timeout=5) == three
     assert r.dequeue(timeout=5) == ("small", 1)
-    w.enqueue(three, timeout=5)                 # 4 free again: in parts
-    assert r.dequeue(timeout=5) == five
     assert r.dequeue(timeout=5) == three
     st = w.stats()
-    assert (st["parts_messages"], st["overflow_messages"], st["ring_messages"]) == (2, 1, 1)
+    assert (st["parts_messages"], st["overflow_messages"], st["ring_messages"]) == (0, 2, 1)
 
 
 def test_a_larger_message_streams_through_the_ring_to_waiting_readers():
@@ -122,7 +120,7 @@ def test_a_larger_message_streams_through_the_ring_to_waiting_readers():
     assert w.stats()["overflow_messages"] == 1
 
 
-def test_a_large_message_that_fits_a_chunk_goes_in_equal_parts():
+def test_a_large_message_that_fits_a_chunk_goes_in_equal_parts(parts_as_if_waiting):
     # 24 MiB chunks: a 12 MiB tensor fits one, but from PARTS_MIN up it goes
     # in parts (the reader copies one out while the writer copies the next
     # in), cut in equal parts of at most PART_BYTES; a small message after
@@ -144,7 +142,7 @@ def test_a_large_message_that_fits_a_chunk_goes_in_equal_parts():
     assert ring.n_published == 5
 
 
-def test_a_large_stream_without_large_buffers_goes_whole():
+def test_a_large_stream_without_large_buffers_goes_whole(parts_as_if_waiting):
     # A 12 MiB list of small objects has no buffer of its own to copy out
     # while the writer copies the next part in: in parts the reader would
     # only gather the stream before unpickling it, so it goes in one chunk,
@@ -265,17 +263,25 @@ def test_parts_that_would_wait_for_a_busy_reader_go_in_one_chunk():
 
 
 def test_parts_reserve_a_bounded_share_of_each_chunk():
-    # 16 MiB chunks, 4 of them free: a 20 MiB message is three parts of at
-    # most PART_BYTES_MAX (six of PART_BYTES would not fit the free chunks),
-    # so the ring holds about 20 MiB for it, not three whole chunks.
+    # 16 MiB chunks, the reader waiting: a 20 MiB message is five parts of
+    # at most PART_BYTES through the four chunks, so the ring holds a part's
+    # worth of each chunk for it (16 MiB), not four whole chunks.
     w, (r,) = local_pair(max_chunk_bytes=16 << 20, max_chunks=4,
                          enable_shm_tensor_arena=False)
+    ring, got = w._end.ring, []
     before = w.buffer.segment.held_bytes()
     msg = np.arange(20 << 17, dtype=np.int64)          # 20 MiB, out of band
-    w.enqueue(msg, timeout=10)
-    assert np.array_equal(r.dequeue(timeout=10), msg)
+    t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=30)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not ring.readers_waiting():
+        assert time.monotonic() < deadline, "the reader never showed as waiting"
+        time.sleep(0.001)
+    w.enqueue(msg, timeout=30)
+    t.join(30)
+    assert len(got) == 1 and np.array_equal(got[0], msg)
     assert w.stats()["parts_messages"] == 1
-    assert w.buffer.segment.held_bytes() - before <= 3 * PART_BYTES_MAX
+    assert w.buffer.segment.held_bytes() - before <= 4 * (PART_BYTES + 4096)
     assert PART_BYTES_MAX < 16 << 20
 
 
@@ -295,7 +301,7 @@ class _FailingRing:
         return getattr(self._ring, name)
 
 
-def test_a_send_stopped_between_parts_is_dropped_by_every_reader():
+def test_a_send_stopped_between_parts_is_dropped_by_every_reader(parts_as_if_waiting):
     w, rs = local_pair(2, max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
     ring = w._end.ring
     w._end.ring = _FailingRing(ring, fail_at=3)
@@ -311,7 +317,7 @@ def test_a_send_stopped_between_parts_is_dropped_by_every_reader():
     assert w.stats()["parts_messages"] == 1
 
 
-def test_arena_slots_of_a_message_that_never_completed_are_free_again():
+def test_arena_slots_of_a_message_that_never_completed_are_free_again(parts_as_if_waiting):
     # A tensor in the arena's only slot, beside in-band bytes that need parts;
     # the send stops between parts.  Its slot must not be left to readers who
     # will never see the message.
@@ -484,7 +490,7 @@ def test_a_message_larger_than_the_host_is_refused_before_any_allocation():
     assert r._end._parts is None
 
 
-def test_large_in_band_bytes_reach_the_reader_as_their_own_objects():
+def test_large_in_band_bytes_reach_the_reader_as_their_own_objects(parts_as_if_waiting):
     # A large bytes or bytearray pickled in band leaves the pickle stream
     # for the parts (fastmq._sink): the reader gets objects of the same
     # type and content, a repeated one once, next to out-of-band arrays in

@@ -71,11 +71,11 @@ def _pickled_parts(obj):
     return len(stream), [stream[i:i + PAYLOAD] for i in range(0, len(stream), PAYLOAD)]
 
 
-def test_no_reassembly_buffer_without_a_deadline_and_one_with_it():
+def test_no_reassembly_buffer_without_a_deadline_and_one_with_it(parts_as_if_waiting):
     w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
     pool = r._end._part_buffers = _CountingPool(r._end._part_buffers)
     for seed in range(3):
-        w.enqueue(_items(seed), timeout=5)       # fits the free ring: in parts
+        w.enqueue(_items(seed), timeout=5)       # in parts, in the free ring
         assert _blocking(r) == _items(seed)
     assert pool.taken == []
     # With a timeout the message is copied out first (a timeout in its
@@ -140,7 +140,7 @@ def test_an_unpickling_error_in_the_middle_consumes_the_rest_of_the_message():
     assert _blocking(r) == _items(3)
 
 
-def test_a_send_stopped_between_parts_is_dropped_by_a_streaming_reader():
+def test_a_send_stopped_between_parts_is_dropped_by_a_streaming_reader(parts_as_if_waiting):
     w, (r,) = local_pair(max_chunk_bytes=CHUNK, max_chunks=32, enable_shm_tensor_arena=False)
     ring = w._end.ring
     w._end.ring = _FailingRing(ring, fail_at=3)
@@ -154,7 +154,8 @@ def test_a_send_stopped_between_parts_is_dropped_by_a_streaming_reader():
     assert r._end._parts is None
 
 
-def test_an_interrupt_in_the_middle_drops_that_message_and_the_next_comes():
+def test_an_interrupt_in_the_middle_drops_that_message_and_the_next_comes(
+        parts_as_if_waiting):
     # The unpickler cannot resume: the interrupted message is lost to this
     # reader (it was being delivered when the caller stopped it), and the
     # next call passes over what remains of it.
