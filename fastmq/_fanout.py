@@ -64,7 +64,7 @@ class _Reader:
     """A remote reader's connection after the handshake."""
 
     __slots__ = ("sock", "fd", "rank", "pid", "out", "error", "addr", "alive_seal",
-                 "alive_counter", "heard", "heard_seq", "inbox", "gone", "token")
+                 "alive_counter", "heard", "heard_seq", "inbox", "gone", "token", "bound")
 
     def __init__(self, sock, rank, pid, addr="?", alive_seal=None):
         self.sock, self.fd, self.rank, self.pid = sock, sock.fileno(), rank, pid
@@ -78,6 +78,7 @@ class _Reader:
         self.inbox = bytearray()
         self.gone: tuple | None = None
         self.token = None
+        self.bound = 0.0    # the reader's own bound, once it said it
 
     def write(self) -> int:
         try:

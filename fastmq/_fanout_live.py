@@ -37,10 +37,11 @@ class FanoutLiveness:
         for r in self.readers:
             if r.error is None and r.gone is None:
                 self._take_alive(r, now)
-                if r.gone is None and now - r.heard > self.peer_timeout:
+                bound = max(self.peer_timeout, r.bound)
+                if r.gone is None and now - r.heard > bound:
                     r.gone = (self._silent_text(
                         r, f"nothing came from it for {now - r.heard:.1f} s (the bound, "
-                        f"FASTMQ_PEER_TIMEOUT_S, is {self.peer_timeout:g} s)", now), "silent")
+                        f"FASTMQ_PEER_TIMEOUT_S, is {bound:g} s)", now), "silent")
                 if r.gone is not None:
                     self._gone_pending = True
         # Heartbeats only where no message is on its way (the sender's
@@ -89,7 +90,7 @@ class FanoutLiveness:
                 del r.inbox[:size]
                 kind, counter, seq, n = HEAD.unpack_from(frame)
                 seal = r.alive_seal
-                ok = kind == ALIVE and n == 0 and \
+                ok = kind == ALIVE and \
                     (not seal.tag_bytes or (counter > r.alive_counter and
                                             seal.check_header(counter, frame[:HEAD.size],
                                                               frame[HEAD.size:])))
@@ -98,6 +99,7 @@ class FanoutLiveness:
                               "its sealed heartbeat", "misbehaved")
                     return
                 r.alive_counter, r.heard, r.heard_seq = counter, now, seq
+                r.bound = _wire.told_bound(self.peer_timeout, n)
             if len(data) < 4096:
                 return
 

@@ -73,8 +73,10 @@ class Stream(StreamHello):
                  peer_timeout: float | None = None):
         self.security = security
         # Silence longer than this is the writer gone (fastmq._liveness).
-        self.peer_timeout = (_config.peer_timeout_s() if peer_timeout is None
-                             else peer_timeout)
+        # (Its writer's must not be more than four times longer: the writer
+        # beats once per quarter of its own.)
+        self._own_bound = self.peer_timeout = (_config.peer_timeout_s() if peer_timeout is None
+                                               else peer_timeout)
         self.psk = psk
         self.seal: _seal.Seal | None = _seal.Seal("none", None) if security == "none" else None
         self.address = address
@@ -217,7 +219,7 @@ class Stream(StreamHello):
             self._fail_silent(PeerSilent(
                 f"the kernel timed the connection out ({e.strerror}: keepalive or "
                 f"heartbeats unacknowledged for the bound, FASTMQ_PEER_TIMEOUT_S, of "
-                f"{self.peer_timeout:g} s)", self.last_heard() if self._live else ""))
+                f"{self._own_bound:g} s)", self.last_heard() if self._live else ""))
         except OSError as e:
             raise PeerGone(str(e)) from e
         if k == 0:

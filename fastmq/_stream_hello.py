@@ -89,14 +89,15 @@ class StreamHello:
         if not self._live or self.cancelled.is_set() or self._failed is not None or \
                 self.ended is not None:
             return None
-        beat = _liveness.interval(self.peer_timeout)
+        beat = _liveness.interval(self._own_bound)
         if now < self._alive_due:
             return self._alive_due
         self._alive_due = now + beat
         self._alive_counter += 1
         try:
             self.sock.send(_wire.heartbeat(self._alive_seal, self._alive_counter,
-                                           self.last_seq, ALIVE), socket.MSG_DONTWAIT)
+                                           self.last_seq, self._own_bound, ALIVE),
+                           socket.MSG_DONTWAIT)
         except BlockingIOError:
             pass    # its writer reads them: a full buffer is a writer that is gone
         except OSError:

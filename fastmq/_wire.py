@@ -28,8 +28,8 @@ Wire format (integers little-endian)::
     a heartbeat, between messages, on a stream idle for a while (fastmq._liveness):
       "FMQh", seal counter, the last sequence number sent, 0, the header's tag
     and from reader to writer, the one thing a reader sends after the handshake:
-      "FMQa", the reader's own counter, the last sequence number it took, 0,
-      a tag under the reader's heartbeat key (Seal.for_reader)
+      "FMQa", the reader's own counter, the last sequence number it took, the
+      reader's bound (ms), a tag under the reader's heartbeat key (Seal.for_reader)
 
 The tags (none in security mode ``"none"``; in ``"encrypt"`` the frames are
 ciphertext, the tag after them) are ``fastmq._seal``'s, under the nonce
@@ -152,6 +152,11 @@ def wait(fds_events, until: float | None, stop=None) -> bool:
     return bool(p.poll(slice_s * 1000))
 
 
+def told_bound(own: float, told_ms: int) -> float:
+    """The bound to allow a peer that said its own is ``told_ms``."""
+    return max(own, min(told_ms / 1000, 1e9))
+
+
 def check_limits(buffers: list) -> None:
     """``ValueError`` for a message a remote reader would refuse to take."""
     if len(buffers) > MAX_FRAMES:
@@ -166,11 +171,17 @@ def end_of_stream(seal: _seal.Seal, counter: int, last_seq: int) -> list:
     return [header, seal.tag_header(counter, header)] if seal.tag_bytes else [header]
 
 
-def heartbeat(seal: _seal.Seal, counter: int, last_seq: int, kind: bytes = HEARTBEAT) -> bytes:
+def heartbeat(seal: _seal.Seal, counter: int, last_seq: int, bound_s: float = 0.0,
+              kind: bytes = HEARTBEAT) -> bytes:
     """A heartbeat's wire form (``kind`` ALIVE: a reader's, ``seal`` its
     heartbeat seal): sealed as an end of the stream is, so that it cannot
-    be forged, and its counter rises, so that it cannot be replayed."""
-    header = HEAD.pack(kind, counter, last_seq, 0)
+    be forged, and its counter rises, so that it cannot be replayed.  A
+    reader's carries its bound (``bound_s``): its writer allows the larger
+    of its own and the reader's, since a reader with a longer bound beats
+    less often.  (The writer's has the form of an end of the stream, 0 in
+    the frame count's place, as every reader's parser expects of a header
+    without frames.)"""
+    header = HEAD.pack(kind, counter, last_seq, min(int(bound_s * 1000), 0xFFFFFFFF))
     return header + seal.tag_header(counter, header) if seal.tag_bytes else header
 
 

@@ -348,3 +348,20 @@ def _quietly(call):
         call()
     except RuntimeError:
         pass    # (cancelled)
+
+
+def test_a_reader_with_a_longer_bound_is_not_taken_for_silent(monkeypatch):
+    """The writer's node has FASTMQ_PEER_TIMEOUT_S=1, the reader's 8 (it
+    beats every 2 s): each heartbeat says its sender's bound and the
+    writer allows the reader's, so an idle reader is not given up."""
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", "1")
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", "8")
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    r.wait_until_ready()
+    t.join(10)
+    time.sleep(4)
+    w.enqueue("still here")
+    assert r.dequeue(timeout=10) == "still here"
