@@ -13,9 +13,9 @@ not active in the reader's process) is named in the log and in the error
 if the handshake is cancelled, but never ends it.
 
 Every wait is sliced (``_wire.SLICE_S``): shutdown, deadlines and dead
-peers are noticed between slices.  Sends are non-blocking: a writer pushes
-to every reader in turn, so one slow reader's full socket buffer does not
-stall the others'.
+peers are noticed between slices.  How a message goes out is
+``fastmq._fanout_send``'s; the heartbeats, and a reader whose node went
+silent, ``fastmq._fanout_live``'s.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """A remote reader's end of the remote path (``fastmq._wire``): the
-connection to the writer, the handshake's reader half (``fastmq._keys``),
-and the receive of sealed messages into a small inbox.
+connection to the writer and the receive of sealed messages into a small
+inbox (the handshake's reader half and the heartbeats are
+``fastmq._stream_hello``'s).
 
 A reader trusts nothing it has not checked: a header is refused before its
 frames are taken if its form is wrong or it claims more than the limits,
@@ -9,6 +10,9 @@ rise and sequence numbers follow each other, and the end of the stream is
 a sealed message of its own, so that a clean close, a cut connection and
 a tail of messages dropped on the way are three different errors.  Once a
 check fails the stream cannot be trusted again: every later call says so.
+A writer that sends nothing, not even a heartbeat, for the bound
+(``FASTMQ_PEER_TIMEOUT_S``) while the reader waits went silent
+(``fastmq._liveness``): a fourth error, for good too.
 """
 from __future__ import annotations
 
