@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import glob
 import multiprocessing as mp
+import fcntl
 import os
 import secrets
 import signal
@@ -357,8 +358,10 @@ def _forged_ring(name: str, n_reader: int, chunk: int, n_chunks: int) -> int:
     head = bytearray(4096)
     struct.pack_into("<QII", head, 0, _ring.MAGIC, _ring.LAYOUT_VERSION, n_reader)
     struct.pack_into("<QI", head, 16, chunk, n_chunks)
-    fd = os.memfd_create(name)
+    fd = os.memfd_create(name, os.MFD_ALLOW_SEALING)
     os.write(fd, head)
+    # Sealed as fastmq seals its segments: `fastmq ls` maps nothing else.
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     return fd
 
 
