@@ -378,14 +378,12 @@ def list_queues() -> dict:
 
 
 def _available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+    """What a queue's next pages can still come from: the host's and this
+    process's memory cgroups' room, as the queues' own check counts it."""
+    from fastmq._memory import memory_available
+
+    avail = memory_available()
+    return avail if avail >= 0 else None
 
 
 # -- text ---------------------------------------------------------------------
@@ -471,7 +469,8 @@ def format_text(listing: dict) -> str:
     n = len(listing["queues"])
     out.append(f"{n} queue{'s' if n != 1 else ''}; fastmq's segments hold "
                f"{_size(mem['fastmq_held_bytes'])} of shared memory "
-               f"({_size(mem['available_bytes'])} available on this host)")
+               f"({_size(mem['available_bytes'])} available to it, within the host's "
+               "and this process's memory cgroups' limits)")
     return "\n".join(out)
 
 
