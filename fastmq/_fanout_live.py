@@ -104,8 +104,10 @@ class FanoutLiveness:
                 return
 
     def _silent_text(self, r, what: str, now: float) -> str:
-        return (f"{r.describe()} at {r.addr} went silent: {what}; last heard from it: its "
-                f"heartbeat after message {r.heard_seq}, {_liveness.ago(r.heard, now)}. Its "
+        last = (f"its heartbeat after message {r.heard_seq}" if r.alive_counter
+                else "its hello in the handshake, then nothing")
+        return (f"{r.describe()} at {r.addr} went silent: {what}; last heard from it: {last}, "
+                f"{_liveness.ago(r.heard, now)}. Its "
                 "node died or became unreachable, or the link drops everything: silence, not "
                 "a close; messages sent since would not reach it, and a remote reader cannot "
                 "rejoin a running queue")

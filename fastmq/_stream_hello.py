@@ -20,11 +20,14 @@ class StreamHello:
     """(State: ``Stream``'s.)"""
 
     # -- handshake -------------------------------------------------------------------
-    # The reader's half runs in two steps: a short-lived thread, started
-    # with the reader, connects and answers the writer's challenge, so the
-    # writer's wait_until_ready() can complete even before this reader's is
-    # called (as it can with local readers, in one thread); then
-    # wait_until_ready() waits for the writer's READY and opens it.
+    # The reader's half runs on a thread, started with the reader: it
+    # connects and answers the writer's challenge, so the writer's
+    # wait_until_ready() can complete even before this reader's is called
+    # (as it can with local readers, in one thread), then takes the
+    # writer's READY as soon as it comes and starts this reader's
+    # heartbeats: the writer counts the silence of a reader from its own
+    # READY, whenever this reader's wait_until_ready() comes (it waits for
+    # the thread).
     def start_hello(self) -> None:
         self._hello_error = None
         self._hs = self._transcript = self._writer_public = None
@@ -51,8 +54,15 @@ class StreamHello:
             if err:
                 self._refused(err)
             self._drive(self._answer_challenge(), None)
+            self._drive(self._await_ready(), None)
         except BaseException as e:
             self._hello_error = e
+            return
+        # From here a writer that is alive sends something at least every
+        # interval (a message or a heartbeat), and so does this reader.
+        self._heard_n, self._heard_at = self._received, time.perf_counter()
+        self._live = True
+        _liveness.PULSE.add(self)
 
     def handshake(self) -> None:
         t = self._hello_thread
@@ -63,7 +73,6 @@ class StreamHello:
         try:
             if self._hello_error is not None:
                 raise self._hello_error
-            self._drive(self._await_ready(), None)
         except PeerSilent:
             raise
         except PeerGone:
@@ -75,11 +84,6 @@ class StreamHello:
                 "returned; create a new queue)") from None
         finally:
             self._hello_error = None
-        # From here a writer that is alive sends something at least every
-        # interval (a message or a heartbeat), and so does this reader.
-        self._live = True
-        self._heard_n, self._heard_at = self._received, time.perf_counter()
-        _liveness.PULSE.add(self)
 
     def pulse(self, now: float) -> float | None:
         """(The process's heartbeat thread.)  Tell the writer this reader

@@ -365,3 +365,18 @@ def test_a_reader_with_a_longer_bound_is_not_taken_for_silent(monkeypatch):
     time.sleep(4)
     w.enqueue("still here")
     assert r.dequeue(timeout=10) == "still here"
+
+
+def test_a_reader_that_calls_wait_until_ready_late_is_not_taken_for_silent(monkeypatch):
+    """The writer's handshake completes on the reader's hello alone (as
+    vLLM's engine's does while its workers still load); the reader's own
+    wait_until_ready() comes several bounds later.  Its heartbeats start
+    with the writer's READY, so meanwhile it is not given up."""
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", "1")
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    w.wait_until_ready()
+    time.sleep(3.5)
+    w.enqueue("waited for")
+    r.wait_until_ready()
+    assert r.dequeue(timeout=10) == "waited for"
