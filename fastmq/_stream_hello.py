@@ -90,8 +90,9 @@ class StreamHello:
         is there, once per interval: the writer's thread reads it; this
         one sends nothing else after the handshake, so the two never meet
         on the socket.  None once the stream is over."""
-        if not self._live or self.cancelled.is_set() or self._failed is not None or \
-                self.ended is not None:
+        # (Also after shutdown(): the process is there, and a writer that
+        # still sends must not take it for a dead node.)
+        if not self._live or self._failed is not None or self.ended is not None:
             return None
         beat = _liveness.interval(self._own_bound)
         if now < self._alive_due:
