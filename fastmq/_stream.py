@@ -79,8 +79,8 @@ class Stream(StreamHello):
         # Silence longer than this is the writer gone (fastmq._liveness).
         # (Its writer's must not be more than four times longer: the writer
         # beats once per quarter of its own.)
-        self._own_bound = self.peer_timeout = (_config.peer_timeout_s() if peer_timeout is None
-                                               else peer_timeout)
+        self.peer_timeout = (_config.peer_timeout_s() if peer_timeout is None
+                             else peer_timeout)
         self.psk = psk
         self.seal: _seal.Seal | None = _seal.Seal("none", None) if security == "none" else None
         self.address = address
@@ -223,7 +223,7 @@ class Stream(StreamHello):
             self._fail_silent(PeerSilent(
                 f"the kernel timed the connection out ({e.strerror}: keepalive or "
                 f"heartbeats unacknowledged for the bound, FASTMQ_PEER_TIMEOUT_S, of "
-                f"{self._own_bound:g} s)", self.last_heard() if self._live else ""))
+                f"{self.peer_timeout:g} s)", self.last_heard() if self._live else ""))
         except OSError as e:
             raise PeerGone(str(e)) from e
         if k == 0:

@@ -94,14 +94,14 @@ class StreamHello:
         # still sends must not take it for a dead node.)
         if not self._live or self._failed is not None or self.ended is not None:
             return None
-        beat = _liveness.interval(self._own_bound)
+        beat = _liveness.interval(self.peer_timeout)
         if now < self._alive_due:
             return self._alive_due
         self._alive_due = now + beat
         self._alive_counter += 1
         try:
             self.sock.send(_wire.heartbeat(self._alive_seal, self._alive_counter,
-                                           self.last_seq, self._own_bound, ALIVE),
+                                           self.last_seq, self.peer_timeout, ALIVE),
                            socket.MSG_DONTWAIT)
         except BlockingIOError:
             pass    # its writer reads them: a full buffer is a writer that is gone
