@@ -104,7 +104,9 @@ class Pulse:
                     return     # (a forked child's copy of the state)
                 members = list(self._members)
             now = time.monotonic()
-            wait, m = 1.0, None
+            # Asleep until the first member is due (a new one wakes it): one
+            # wakeup per interval, none without a member.
+            wait, m = None, None
             for m in members:
                 try:
                     due = m.pulse(now)
@@ -113,9 +115,9 @@ class Pulse:
                 if due is None:
                     self.discard(m)
                 else:
-                    wait = min(wait, due - now)
+                    wait = due - now if wait is None else min(wait, due - now)
             members = m = None   # (no strong reference while asleep)
-            self._wake.wait(max(wait, 0.01))
+            self._wake.wait(None if wait is None else max(wait, 0.01))
 
     def _after_fork_in_child(self) -> None:
         # The parent's connections are not this process's to send on.
