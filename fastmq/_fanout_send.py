@@ -149,7 +149,7 @@ class FanoutSending:
         # have the whole message get heartbeats, a held one ("encrypt")
         # gets the rest once a wait lasts an interval (so that it is
         # between messages too), a reader found gone is broken.
-        bounded, next_beat = True, None
+        bounded, next_beat, moved_then = True, None, None
         while active:
             waiting, held = [], []
             for r in active:
@@ -198,11 +198,17 @@ class FanoutSending:
                 active = [r for r in active if r.error is None]
             if not committing or self.written_any:
                 now = time.monotonic()
+                moved = sum(r.out.sent for r in waiting)
+                beat = _liveness.interval(self.peer_timeout)
                 if next_beat is None:
-                    next_beat = now + _liveness.interval(self.peer_timeout)
+                    next_beat, moved_then = now + beat, moved
                 elif now >= next_beat:
-                    next_beat = now + _liveness.interval(self.peer_timeout)
-                    bounded = False
+                    # The slowest took nothing for an interval: a held reader
+                    # gets the rest now (that ciphertext is kept for it) rather
+                    # than hear nothing in the middle of a message.
+                    if moved == moved_then:
+                        bounded = False
+                    next_beat, moved_then = now + beat, moved
                     self.heartbeat_finished(active)
         # Every reader has it all: nothing of the caller's is referenced now.
         self._message, self._sealed, self._dropped = None, [], 0

@@ -380,3 +380,33 @@ def test_a_reader_that_calls_wait_until_ready_late_is_not_taken_for_silent(monke
     w.enqueue("waited for")
     r.wait_until_ready()
     assert r.dequeue(timeout=10) == "waited for"
+
+
+@pytest.mark.parametrize("security", ["mac", "encrypt"])
+def test_a_reader_waiting_while_another_is_slow_is_not_told_silence(monkeypatch, security):
+    """Reader 1 stops reading in the middle of a large message, so the
+    writer waits for it; reader 0 has all of it, or under "encrypt" is
+    held a few segments ahead of reader 1, with nothing to read.  It is
+    not left to think its writer went silent: the writer gives it the
+    rest of the message (once reader 1 took nothing for an interval) and
+    then heartbeats while it waits for reader 1."""
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", "1")
+    w = MessageQueue(2, 0, connect_ip="127.0.0.1", remote_security=security)
+    fast, slow = (MessageQueue.create_from_handle(w.export_handle(), rank) for rank in (0, 1))
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    fast.wait_until_ready()
+    slow.wait_until_ready()
+    t.join(10)
+    big = os.urandom(1 << 20) * 48
+    sender = threading.Thread(target=w.enqueue, args=(big,), daemon=True)
+    sender.start()
+    assert fast.dequeue(timeout=20) == big
+    with pytest.raises(TimeoutError):
+        fast.dequeue(timeout=3)
+    assert sender.is_alive()      # still waiting for the slow reader
+    assert slow.dequeue(timeout=20) == big
+    sender.join(20)
+    assert not sender.is_alive()
+    w.enqueue("next")
+    assert fast.dequeue(timeout=10) == "next" and slow.dequeue(timeout=10) == "next"
