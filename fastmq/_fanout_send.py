@@ -198,15 +198,17 @@ class FanoutSending:
                 active = [r for r in active if r.error is None]
             if not committing or self.written_any:
                 now = time.monotonic()
-                moved = sum(r.out.sent for r in waiting)
+                moved = sum(r.out.sent for r in held)
                 beat = _liveness.interval(self.peer_timeout)
                 if next_beat is None:
                     next_beat, moved_then = now + beat, moved
                 elif now >= next_beat:
-                    # The slowest took nothing for an interval: a held reader
-                    # gets the rest now (that ciphertext is kept for it) rather
-                    # than hear nothing in the middle of a message.
-                    if moved == moved_then:
+                    # The readers held ahead got nothing for an interval (the
+                    # slowest is stalled, or very slow): they get the rest now
+                    # (that ciphertext is kept for them) rather than hear
+                    # nothing in the middle of a message.  A slow link that
+                    # keeps them fed keeps the lead, and its memory bound.
+                    if held and moved == moved_then:
                         bounded = False
                     next_beat, moved_then = now + beat, moved
                     self.heartbeat_finished(active)
