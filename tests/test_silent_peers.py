@@ -410,3 +410,34 @@ def test_a_reader_waiting_while_another_is_slow_is_not_told_silence(monkeypatch,
     assert not sender.is_alive()
     w.enqueue("next")
     assert fast.dequeue(timeout=10) == "next" and slow.dequeue(timeout=10) == "next"
+
+
+def test_a_forked_child_sends_no_heartbeat_on_its_parents_connections(monkeypatch):
+    """A child forked from a process whose queue ends beat has no heartbeat
+    thread and knows none of them: nothing of its lands in the parent's
+    streams, which go on intact."""
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", "1")
+    w, r, relay = through_relay(None)
+    with pytest.raises(TimeoutError):
+        r.dequeue(timeout=0.6)       # both ends beat
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:     # the child
+        try:
+            from fastmq import _liveness
+
+            quiet = not list(_liveness.PULSE._members) and not any(
+                t.name == "fastmq-liveness" for t in threading.enumerate())
+            time.sleep(1.0)          # four of its parent's intervals
+            os.write(wfd, b"1" if quiet else b"0")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    try:
+        assert os.read(rfd, 1) == b"1"
+    finally:
+        os.close(rfd)
+        os.waitpid(pid, 0)
+    w.enqueue("after the fork")
+    assert r.dequeue(timeout=10) == "after the fork"
+    relay.close()
