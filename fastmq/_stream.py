@@ -161,6 +161,7 @@ class Stream(StreamHello):
         spin_until = start + (self.spin_s if self._long_waits < LONG_WAITS or not message
                               else 0.0)
         seen = self._received
+        beats = self._heartbeats
         while True:
             try:
                 next(gen)
@@ -169,7 +170,16 @@ class Stream(StreamHello):
                     self._waited(time.perf_counter() - start)
                 return s.value
             now = time.perf_counter()
-            if self._received != seen:
+            if self._received != seen and self._heartbeats != beats:
+                # A heartbeat came (an idle writer): no message is near, so
+                # back to the kernel's wait without a spin; the message's
+                # first byte is still to come.
+                beats = self._heartbeats
+                if seen == first:
+                    first = self._received
+                seen = self._received
+                spin_until = now
+            elif self._received != seen:
                 if seen == first:
                     self._waited(now - start)
                 # Bytes keep coming (a large message): the next ones are a
