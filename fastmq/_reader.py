@@ -16,8 +16,9 @@ from typing import Any, Iterator
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from fastmq import (_config, _keys, _net, _overflow, _parts, _piecewise, _proc, _seal,
+from fastmq import (_config, _door, _keys, _net, _overflow, _parts, _piecewise, _proc, _seal,
                     _stream, _subscribers, _wire, segments)
+from fastmq._segment import lend_descriptor, reclaim_descriptor
 from fastmq._gone import WriterGoneError
 from fastmq._recv_buffers import BufferPool
 from fastmq._ring import (LONG_WAIT, OVERFLOW, PARTS, PENDING, READY, WAIT_ZMQ, WRITER_CLOSED,
@@ -127,18 +128,36 @@ class LocalReader(_ReaderEnd):
         self.buffer = None
         context = zmq.Context()
         sockets: list = []
+        lent: list = []
+        admission = None
         try:
+            admission = self._admit(handle, rank)
+            if admission is not None:
+                # The segments' own descriptors: attaching them needs no
+                # /proc access to the writer (fastmq._door).
+                for name, fd in admission.fds.items():
+                    lend_descriptor(name, fd)
+                lent = list(admission.fds.items())
+                admission.fds.clear()
             self.buffer = ShmRingBuffer(bh.n_reader, bh.max_chunk_bytes, bh.max_chunks, bh.name)
             self.ring = ring = self.buffer.attach_reader(self.local_reader_rank)
+            if admission is not None and admission.pidfd >= 0:
+                ring.watch_writer(admission.take_pidfd())
             ring.warn_interval = _config.warning_interval()
             ring.buffers = self._part_buffers
-            holder = ring.claim_reader(*_proc.me())
+            pid, started = _proc.me()
+            if admission is not None and admission.pid_for_writer:
+                # As the writer's pid namespace numbers this process: what
+                # the writer judges this slot's holder by.
+                pid = admission.pid_for_writer
+            holder = ring.claim_reader(pid, started)
             if holder:
                 raise RuntimeError(
                     f"fastmq: local reader rank {rank} of this queue is already "
                     f"attached by process {holder}, which is alive; each rank is "
                     "attached by one process")
-            me = _subscribers.identity(self.local_reader_rank)   # its ring slot
+            me = _subscribers.identity(self.local_reader_rank, pid,
+                                       handle.local_key or b"")   # its ring slot
             self.local_socket = sock = context.socket(zmq.SUB)
             sockets.append(sock)
             _overflow.tune_subscriber(sock)
@@ -176,10 +195,28 @@ class LocalReader(_ReaderEnd):
             if self.buffer is not None:
                 self.buffer.close()
             raise
+        finally:
+            for name, fd in lent:
+                reclaim_descriptor(name, fd)     # not attached (an error, no arena)
+            if admission is not None:
+                admission.close()
         self.zmq = (context, sockets)
         # What the ring calls per message (flush_releases, map_oob): the
         # arena's core, or the stand-in for an arena that failed to attach.
         self._arena_core = getattr(self.tensor_arena, "core", self.tensor_arena)
+
+    @staticmethod
+    def _admit(handle: Handle, rank: int) -> _door.Admission | None:
+        """The segments' descriptors and the writer's pidfd, from the
+        writer's door; None for a handle without one (its segments are
+        opened through /proc)."""
+        addr = getattr(handle, "local_door_addr", None)
+        if addr is None:
+            return None
+        key = getattr(handle, "local_key", None)
+        if not isinstance(key, bytes) or len(key) != _door.KEY_BYTES:
+            raise ValueError(f"fastmq: the handle's local_key is not {_door.KEY_BYTES} bytes")
+        return _door.admit(addr, key, rank, getattr(handle, "writer_pid", None) or 0)
 
     def wait_until_ready(self) -> None:
         self._receive_handshake(self.local_socket)
