@@ -457,6 +457,17 @@ class LocalReader(_ReaderEnd):
         return out
 
 
+def _peer_timeout(handle: Handle) -> float:
+    """This remote reader's bound on its writer's silence: its own setting,
+    or the writer's (from the handle) where that is longer."""
+    mine = _config.peer_timeout_s()
+    theirs = getattr(handle, "peer_timeout_s", None)
+    if isinstance(theirs, (int, float)) and not isinstance(theirs, bool) and theirs > mine:
+        # (A NaN compares false: the reader keeps its own.)
+        return min(float(theirs), _config.ENV_FLOAT_MAX)
+    return mine
+
+
 class RemoteReader:
     """A reader on another node: one TCP connection to the writer
     (``fastmq._stream``), authenticated as the handle's security mode says.
@@ -482,7 +493,8 @@ class RemoteReader:
         self.remote_socket = self.stream = _stream.Stream(
             handle.remote_subscribe_addr, handle.remote_addr_ipv6, security, psk, rank,
             keep_bytes=_config.remote_buffers_bytes(),
-            fill_threads=_config.default_copy_threads())
+            fill_threads=_config.default_copy_threads(),
+            peer_timeout=_peer_timeout(handle))
         self._warm_bytes = _config.warm_bytes()
         spin_us = getattr(handle, "spin_us", None)
         self.stream.spin_s = (_config.spin_us(None) if spin_us is None else spin_us) / 1e6

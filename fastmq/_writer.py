@@ -143,6 +143,7 @@ class QueueWriter(RemoteSending):
             spin_us=_config.spin_us(spin_us) if n_remote_reader else None,
             local_door_addr=self.door.address if self.door is not None else None,
             local_key=self._local_key if n_local_reader else None,
+            peer_timeout_s=fanout.peer_timeout if fanout is not None else None,
         )
 
     def _open_door(self) -> None:

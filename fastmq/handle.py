@@ -66,6 +66,10 @@ class Handle:
     # there and on the local socket (kept out of repr, like remote_key).
     local_door_addr: str | None = None
     local_key: bytes | None = field(default=None, repr=False)
+    # fastmq only: the writer's FASTMQ_PEER_TIMEOUT_S; a remote reader's
+    # bound is at least this, so that it never takes an idle writer (which
+    # beats once per quarter of its own bound) for a silent one.
+    peer_timeout_s: float | None = None
 
 
 def vllm_ring_error(buffer_handle) -> HandleMismatchError:

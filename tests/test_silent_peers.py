@@ -367,6 +367,24 @@ def test_a_reader_with_a_longer_bound_is_not_taken_for_silent(monkeypatch):
     assert r.dequeue(timeout=10) == "still here"
 
 
+def test_a_reader_with_a_shorter_bound_than_its_writer_is_not_told_silence(monkeypatch):
+    """The writer's node has FASTMQ_PEER_TIMEOUT_S=8 (an idle writer beats
+    every 2 s), the reader's 1: the reader takes the writer's bound from
+    the handle, so an idle writer is not taken for a silent one."""
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", "8")
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", "1")
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    t = threading.Thread(target=w.wait_until_ready)
+    t.start()
+    r.wait_until_ready()
+    t.join(10)
+    with pytest.raises(TimeoutError):
+        r.dequeue(timeout=4)        # idle for twice the writer's beat
+    w.enqueue("still here")
+    assert r.dequeue(timeout=10) == "still here"
+
+
 def test_a_reader_that_calls_wait_until_ready_late_is_not_taken_for_silent(monkeypatch):
     """The writer's handshake completes on the reader's hello alone (as
     vLLM's engine's does while its workers still load); the reader's own
