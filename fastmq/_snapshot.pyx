@@ -30,9 +30,11 @@ cdef inline uint64_t _ro_u64(const char *b, Py_ssize_t off) noexcept nogil:
     return fmq_load_u64_acq(<const uint64_t *>(b + off))
 
 
-def ring_snapshot(buf):
+def ring_snapshot(buf, Py_ssize_t size=-1):
     """Everything the header and flags of a ring say, read from ``buf`` (a
-    whole mapped ring, typically mapped read-only) without writing to it.
+    mapped ring, typically mapped read-only) without writing to it.
+    ``size``: the segment's size, when ``buf`` maps only its start (its
+    header and flags, which is all that is read); -1: ``buf`` is all of it.
 
     Returns a dict: the geometry (``n_reader``, ``max_chunk_bytes``,
     ``max_chunks``, ``total``), ``wait_mode``, ``spin_ns``, ``writer_pid``,
@@ -49,6 +51,7 @@ def ring_snapshot(buf):
     cdef const char *b = <const char *>v.buf
     cdef const uint8_t *m
     cdef Py_ssize_t i, r, n_reader, n_chunks, stride, meta_off
+    cdef Py_ssize_t whole = v.len if size < 0 else size
     try:
         if v.len < H_READER_SLOTS + READER_SLOT:
             raise SegmentMismatchError("%d bytes are too few for a fastmq ring" % v.len)
@@ -68,17 +71,17 @@ def ring_snapshot(buf):
         # larger than the mapping checked below.
         if not (1 <= n_reader_word <= 4096 and 1 <= n_chunks_word
                 and 64 <= chunk_bytes
-                and int(chunk_bytes) * int(n_chunks_word) <= int(v.len)):
+                and int(chunk_bytes) * int(n_chunks_word) <= int(whole)):
             raise SegmentMismatchError(
                 "fastmq ring header has a bad geometry: %d readers, %d chunks of %d bytes "
-                "(a %d-byte file)" % (n_reader_word, n_chunks_word, chunk_bytes, v.len))
+                "(a %d-byte file)" % (n_reader_word, n_chunks_word, chunk_bytes, whole))
         n_reader = n_reader_word
         n_chunks = n_chunks_word
         want = ring_layout(n_reader, chunk_bytes, n_chunks)
-        if got != want or v.len < want[3]:
+        if got != want or whole < want[3] or v.len < want[2]:
             raise SegmentMismatchError(
-                "fastmq ring header %r does not match its geometry %r (%d bytes mapped)"
-                % (got, want, v.len))
+                "fastmq ring header %r does not match its geometry %r (a %d-byte segment, "
+                "%d bytes mapped)" % (got, want, whole, v.len))
         stride = want[0]
         meta_off = want[1]
         readers = []
@@ -120,10 +123,11 @@ def ring_snapshot(buf):
         PyBuffer_Release(&v)
 
 
-def arena_snapshot(buf):
-    """The header and slot flags of an arena, read from ``buf`` (a whole
-    mapped arena, typically mapped read-only) without writing to it; for
-    ``fastmq ls``.  Returns a dict: ``n_reader``, ``n_slots``,
+def arena_snapshot(buf, Py_ssize_t size=-1):
+    """The header and slot flags of an arena, read from ``buf`` (a mapped
+    arena, typically mapped read-only) without writing to it; for
+    ``fastmq ls``.  ``size``: the segment's size, when ``buf`` maps only
+    its header and flags (all that is read); -1: ``buf`` is all of it.  Returns a dict: ``n_reader``, ``n_slots``,
     ``slot_bytes``, ``total``, and per slot ``slots``: ``(epoch, written,
     [done per reader])``.  Raises ``ArenaError`` when ``buf`` is not a
     complete arena of this layout version."""
@@ -132,6 +136,7 @@ def arena_snapshot(buf):
     cdef char *b = <char *>v.buf
     cdef char *ln
     cdef Py_ssize_t s, r, n_reader, n_slots, stride, flags_off
+    cdef Py_ssize_t whole = v.len if size < 0 else size
     try:
         if v.len < A.HEADER:
             raise ArenaError("%d bytes are too few for a fastmq arena" % v.len)
@@ -149,19 +154,19 @@ def arena_snapshot(buf):
         # Range-checked before use as counts: a forged or corrupt file reads
         # as bad instead of overflowing (an arena's slots lie in its file).
         if not (1 <= n_reader_word <= 4096 and 1 <= n_slots_word <= 65536
-                and int(slot_bytes) * int(n_slots_word) <= int(v.len)):
+                and int(slot_bytes) * int(n_slots_word) <= int(whole)):
             raise ArenaError("fastmq arena header has a bad geometry: %d readers, %d slots "
                              "of %d bytes (a %d-byte file)"
-                             % (n_reader_word, n_slots_word, slot_bytes, v.len))
+                             % (n_reader_word, n_slots_word, slot_bytes, whole))
         n_reader = n_reader_word
         n_slots = n_slots_word
         try:
             want = arena_layout(n_reader, n_slots, slot_bytes)
         except ValueError as e:
             raise ArenaError("fastmq arena header has a bad geometry: %s" % e)
-        if got != want or v.len < want[3]:
+        if got != want or whole < want[3] or v.len < want[2]:
             raise ArenaError("fastmq arena header %r does not match its geometry %r "
-                             "(%d bytes mapped)" % (got, want, v.len))
+                             "(a %d-byte segment, %d bytes mapped)" % (got, want, whole, v.len))
         stride = want[0]
         flags_off = want[1]
         slots = []

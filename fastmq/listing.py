@@ -181,42 +181,50 @@ def _fs_type(fd: int) -> int | None:
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
-def _unmappable(fd: int, kind: str, size: int) -> str | None:
-    """Why ``ls`` must not map this segment (its file ``fd`` of ``size``
-    bytes), or None: it is sealed as fastmq seals its segments, in shared
-    memory, and its header says it is a whole ``kind`` of this size."""
+def _unmappable(fd: int, kind: str, size: int) -> tuple[str | None, int]:
+    """``(why, span)``: why ``ls`` must not map this segment (its file
+    ``fd`` of ``size`` bytes), or None: it is sealed as fastmq seals its
+    segments, in shared memory, and its header says it is a whole ``kind``
+    of this size; and how much of it to map, its header and flags (where
+    its header, read with ``pread``, says its data starts: all that the
+    snapshot reads), or all of a small segment whose header does not say
+    so, for the snapshot to name what is wrong with it."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as e:
-        return f"cannot read its seals: {e.strerror or e}; not mapped"
+        return f"cannot read its seals: {e.strerror or e}; not mapped", 0
     missing = [n for bit, n in ((fcntl.F_SEAL_SHRINK, "shrinking"),
                                 (fcntl.F_SEAL_GROW, "growing")) if not seals & bit]
     if missing:
         return (f"not sealed against {' and '.join(missing)}, as fastmq seals its "
                 "segments: not mapped"
                 + (" (its holder could cut it under the mapping)"
-                   if not seals & fcntl.F_SEAL_SHRINK else ""))
+                   if not seals & fcntl.F_SEAL_SHRINK else "")), 0
     fs = _fs_type(fd)
     if fs is not None and fs != _TMPFS_MAGIC:
         return (f"not in shared memory (a {_FS_NAMES.get(fs, hex(fs))} file, as fastmq's "
-                "segments never are): not mapped")
-    if size <= _SMALL:
-        return None     # mapped whole; the snapshot checks all of it
+                "segments never are): not mapped"), 0
     try:
         head = os.pread(fd, _HEAD.size, 0)
     except OSError as e:
-        return f"cannot read its header: {e.strerror or e}"
-    if len(head) < _HEAD.size:
-        return "its header could not be read whole"
-    magic, data_off, total = _HEAD.unpack(head)
-    if magic != _MAGIC[kind]:
-        return f"not a fastmq {kind} (no fastmq header)"
-    if total != size:
-        return f"its fastmq {kind} header says {total} bytes, the segment has {size}"
-    if not 0 < data_off <= min(total, _MAX_FLAGS_BYTES):
+        return f"cannot read its header: {e.strerror or e}", 0
+    magic, data_off, total = (_HEAD.unpack(head) if len(head) == _HEAD.size
+                              else (None, 0, 0))
+    if magic == _MAGIC[kind] and 0 < data_off <= min(size, _MAX_FLAGS_BYTES):
+        span = data_off
+    elif size <= _SMALL:
+        return None, size   # mapped whole; the snapshot says what is wrong
+    elif len(head) < _HEAD.size:
+        return "its header could not be read whole", 0
+    elif magic != _MAGIC[kind]:
+        return f"not a fastmq {kind} (no fastmq header)", 0
+    else:
         return (f"its fastmq {kind} header puts the data at byte {data_off}: a header and "
-                f"flags larger than ls reads ({_size(_MAX_FLAGS_BYTES)}) or than the segment")
-    return None
+                f"flags larger than ls reads ({_size(_MAX_FLAGS_BYTES)}) or than the "
+                "segment"), 0
+    if size > _SMALL and total != size:
+        return f"its fastmq {kind} header says {total} bytes, the segment has {size}", 0
+    return None, span
 
 
 def _read_segment(seg: _Seen, reader):
@@ -239,11 +247,11 @@ def _read_segment(seg: _Seen, reader):
                 return None, size, used, uid
             if size == 0:
                 return "empty segment", 0, 0, uid
-            why = _unmappable(fd, seg.kind, size)
+            why, span = _unmappable(fd, seg.kind, size)
             if why is not None:
                 return why, size, used, uid
             try:
-                m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                m = mmap.mmap(fd, span, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             except (OSError, ValueError, OverflowError) as e:
                 return (f"cannot map its {_size(size)}: {getattr(e, 'strerror', None) or e}",
                         size, used, uid)
@@ -253,7 +261,7 @@ def _read_segment(seg: _Seen, reader):
         finally:
             os.close(fd)
         try:
-            return reader(m), size, used, uid
+            return reader(m, size), size, used, uid
         except (_ring.SegmentMismatchError, _arena.ArenaError, ValueError,
                 OverflowError) as e:
             return str(e), size, used, uid
