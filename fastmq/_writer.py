@@ -115,12 +115,14 @@ class QueueWriter(RemoteSending):
                 security = _seal.mode(remote_security)
                 trust = _keys.new_writer_trust(security)
                 self._open_remote(connect_ip, security, trust["psk"])
+            self.encoder = Encoder(self.tensor_arena)
         except BaseException:
+            # Nothing of a queue that failed to start stays open: the
+            # door's thread and its copies of the descriptors included.
             _overflow.close_all(*self.zmq)
             if self.buffer is not None:
                 self.buffer.close()
             raise
-        self.encoder = Encoder(self.tensor_arena)
         # The arena core's bound method, taken once: it runs per message.
         self._commit_arena = (self.tensor_arena.commit
                               if self.tensor_arena is not None else None)
