@@ -54,6 +54,7 @@ _MAGIC = b"fmqdoor1"
 _REPLY_MAX = 1 << 16
 PEER_TIMEOUT_S = 2.0    # a peer that connects and says nothing is dropped after this
 MAX_PENDING = 64        # peers that connected and have not asked yet
+MAX_REFUSED_KEPT = 16   # refused peers logged and named in the long-wait line
 _PEERCRED = struct.Struct("3i")
 
 
@@ -113,7 +114,7 @@ class Door:
         # One thread, every peer at once: a peer that connects and says
         # nothing (or a flood of them) must not keep the readers out, so
         # no read blocks and each peer has PEER_TIMEOUT_S to ask.  Idle,
-        # it sleeps in select() until a peer or close() wakes it.
+        # it sleeps in poll() until a peer or close() wakes it.
         listener = self._sock
         pending: dict = {}      # fd -> (socket, deadline, bytes so far)
         poller = select.poll()  # (not select(): descriptors past 1024)
@@ -207,10 +208,12 @@ class Door:
 
     def _refuse(self, conn, why: str) -> None:
         pid, uid, _ = peer_credentials(conn)
-        if (pid, uid) not in self.refused:
+        # Logged and kept once per process, and only the first few: a
+        # flood of strangers must not fill the log or this process.
+        if (pid, uid) not in self.refused and len(self.refused) < MAX_REFUSED_KEPT:
             logger.warning("fastmq: refused a process (pid %d, uid %d) that asked for this "
                            "queue's shared memory: it %s", pid, uid, why)
-        self.refused[(pid, uid)] = why
+            self.refused[(pid, uid)] = why
         try:
             conn.sendall(json.dumps({"ok": False, "why": why}).encode())
         except OSError:
@@ -218,8 +221,9 @@ class Door:
 
     def describe_refused(self) -> str:
         """The peers refused so far, for the writer's long-wait line."""
+        # (A copy: the door's thread adds to it meanwhile.)
         return ", ".join(f"pid {pid} uid {uid} ({why})"
-                         for (pid, uid), why in self.refused.items())
+                         for (pid, uid), why in list(self.refused.items()))
 
     def close(self, linger: int = 0) -> None:
         """Stop answering; the name goes with the socket, and the door's
