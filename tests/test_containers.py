@@ -154,3 +154,31 @@ def test_process_group_finds_a_reader_that_cannot_inspect_the_writer_local(procs
     assert _recv(conns[0], 120, "writer's report") == ("writer", [1])
     assert _recv(conns[1], 120, "reader's report") == ("reader", {"step": 1})
     procs.join_all(60)
+
+
+def test_strangers_that_connect_and_say_nothing_do_not_keep_a_reader_out():
+    """A flood of connections to the writer's segment door that never ask
+    (an attacker's, or a port scanner's) is answered as it comes: a
+    reader attaches beside them, without waiting for them to time out."""
+    import socket
+
+    from fastmq import _door
+
+    w = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2)
+    h = w.export_handle()
+    idle = []
+    try:
+        for _ in range(3 * _door.MAX_PENDING):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + h.local_door_addr[1:])
+            idle.append(s)
+        t0 = time.monotonic()
+        r = MessageQueue.create_from_handle(h, 0)
+        assert time.monotonic() - t0 < _door.PEER_TIMEOUT_S
+        w.wait_until_ready()
+        r.wait_until_ready()
+        w.enqueue("through")
+        assert r.dequeue(timeout=10) == "through"
+    finally:
+        for s in idle:
+            s.close()
