@@ -539,6 +539,13 @@ class RemoteReader:
         pid = getattr(self.handle, "writer_pid", None)
         return f"the writer{f' (pid {pid})' if pid else ''} at {self.handle.remote_subscribe_addr}"
 
+    def on_writer_silent(self, told) -> None:
+        """Call ``told(WriterGoneError)`` (on the heartbeat thread) when
+        this reader's heartbeats find the writer's node silent, even while
+        no ``dequeue`` waits; the next ``dequeue`` raises it as well."""
+        self.stream.on_silent = lambda e: told(
+            self._silence(e, "(this reader's heartbeats went unanswered)"))
+
     def _silence(self, e: _wire.PeerSilent, when: str) -> WriterGoneError:
         """A writer whose node went silent (fastmq._liveness): gone, as a
         cut connection is (``clean=False``), in words that say it was

@@ -42,8 +42,11 @@ from fastmq._native.atomic cimport (
 from fastmq._native.layout cimport (HEADER_NO_MAGIC, HEADER_OK, header_status,
                                     word32 as _u32, word64 as _u64)
 from fastmq._native.proc cimport fmq_self_pid
+
+cdef extern from "fmq_populate.h" nogil:
+    int fmq_map_for_reading(char *p, size_t n)
 from fastmq._ring cimport (CHUNK_PART, CHUNK_PART_ABORT, FRAME_HEAD, NOGIL_COPY_MIN,
-                           PART_HEAD, ST_OVERFLOW, ST_PARTS, ST_READY,
+                           PART_HEAD, RESERVE_STEP, ST_OVERFLOW, ST_PARTS, ST_READY,
                            ST_WRITER_CLOSED, ST_WRITER_DIED, W_ZMQ, RingEnd, claim_alive,
                            decode, spin_tick)
 from fastmq._recv_buffers cimport POOLED_MIN
@@ -112,6 +115,11 @@ cdef class RingReader(RingEnd):
         # The readers park together: one counter, one futex word.
         self.park_counter = self.readers_parked
         self.park_word = self.read_seq
+        # Each chunk's first page, populated by the writer at creation,
+        # mapped here too: a fresh queue's first messages take no fault.
+        cdef int idx
+        for idx in range(max_chunks):
+            fmq_map_for_reading(self.chunk(idx), min(RESERVE_STEP, max_chunk_bytes))
         return self
 
     # -- the reader's turn -------------------------------------------------

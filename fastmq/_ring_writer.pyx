@@ -123,9 +123,16 @@ cdef class RingWriter(RingEnd):
         if self.reserved == NULL:
             raise MemoryError()
         # Asking reads several /proc and cgroup files (hundreds of us): a
-        # ring's small messages never do, its creation asked for them.  No
-        # page is taken for it now: a chunk holds only what was written.
+        # ring's small messages never do, its creation asked for them.
         self.asked_first = min(CHECK_STEP, self.max_chunk_bytes) if checked else 0
+        # Each chunk's first page now, with the ring (40 KiB for vLLM's 10
+        # chunks), and no more: otherwise the first message into each chunk
+        # populates it, and each reader takes its first fault on it, on the
+        # message's path (a fresh queue's first pass over its chunks was
+        # its slowest).  Beyond it a chunk holds only what was written.
+        cdef int idx
+        for idx in range(self.max_chunks):
+            self.reserve_chunk(idx, RESERVE_STEP)
         return self
 
     # -- the writer's turn -------------------------------------------------

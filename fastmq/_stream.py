@@ -126,6 +126,10 @@ class Stream(StreamHello):
         self._heartbeats = 0
         self._heartbeat_after = -1    # last_seq when the last heartbeat came
         self._silent: PeerSilent | None = None
+        # Called (on the heartbeat thread) with the PeerSilent once the
+        # heartbeats found the writer's node silent, whether or not a
+        # receive is waiting; None: nobody is told until the next receive.
+        self.on_silent = None
         self._alive_seal = None       # this reader's heartbeats (Seal.for_reader)
         self._alive_counter = 0
         self._alive_due = 0.0         # when the next one is due (time.monotonic)
@@ -235,8 +239,12 @@ class Stream(StreamHello):
                 f"heartbeats unacknowledged for the bound, FASTMQ_PEER_TIMEOUT_S, of "
                 f"{self.peer_timeout:g} s)", self.last_heard() if self._live else ""))
         except OSError as e:
+            if self._silent is not None:    # the heartbeat thread took the error first
+                raise PeerSilent(self._silent.what, self._silent.last) from None
             raise PeerGone(str(e)) from e
         if k == 0:
+            if self._silent is not None:
+                raise PeerSilent(self._silent.what, self._silent.last)
             raise PeerGone("closed")
         self._received += k
         return k

@@ -105,9 +105,35 @@ class StreamHello:
                            socket.MSG_DONTWAIT)
         except BlockingIOError:
             pass    # its writer reads them: a full buffer is a writer that is gone
+        except TimeoutError as e:
+            # ETIMEDOUT: the kernel gave up on the writer's node (these
+            # heartbeats went unacknowledged for the user timeout).  Said
+            # here, not left to the next receive: a reader busy elsewhere
+            # (a vLLM worker in a collective with the dead node's ranks)
+            # may never come back to receive.
+            self._silent_in_background(e)
+            return None
         except OSError:
             return None   # (the receive says what happened)
         return self._alive_due
+
+    def _silent_in_background(self, e: OSError) -> None:
+        silent = PeerSilent(
+            f"the kernel timed the connection out ({e.strerror}: heartbeats "
+            f"unacknowledged for the bound, FASTMQ_PEER_TIMEOUT_S, of "
+            f"{self.peer_timeout:g} s)", self.last_heard())
+        # Before the shutdown: a receive that then finds the connection
+        # closed reports this silence, not a close (the kernel tells its
+        # error once, and this send took it).
+        self._silent = silent
+        self._live = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        told = self.on_silent
+        if told is not None:
+            told(silent)
 
     def _refused(self, err: int) -> None:
         raise RuntimeError(

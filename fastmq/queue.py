@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -106,12 +108,15 @@ def add_writer_gone_hook(hook) -> None:
     """Call ``hook(error, queue)`` when the writer of ``queue``, a remote
     reader, is gone (it shut the queue down, or its connection was cut),
     once per queue, before ``dequeue`` raises ``error``; until
-    ``remove_writer_gone_hook``.  A hook
-    that returns a number of seconds makes that ``dequeue`` first wait so
-    long (at most its own timeout) for ``shutdown()``, which then raises
-    ``RuntimeError("cancelled")`` as any shutdown does.  ``fastmq.vllm``
-    registers one: a vLLM node whose engine is elsewhere ends through
-    vLLM's own shutdown."""
+    ``remove_writer_gone_hook``.  When the writer's node went silent the
+    call may come first from fastmq's heartbeat thread, while no
+    ``dequeue`` waits (the process may be busy elsewhere, never to come
+    back to it).  A hook that returns a number of seconds makes a
+    ``dequeue`` that finds the writer gone first wait for ``shutdown()``
+    until so long after the call (at most its own timeout); ``shutdown()``
+    then raises ``RuntimeError("cancelled")`` as any shutdown does.
+    ``fastmq.vllm`` registers one: a vLLM node whose engine is elsewhere
+    ends through vLLM's own shutdown."""
     if hook not in _writer_gone_hooks:
         _writer_gone_hooks.append(hook)
 
@@ -120,6 +125,17 @@ def remove_writer_gone_hook(hook) -> None:
     """Stop calling ``hook`` (see ``add_writer_gone_hook``)."""
     if hook in _writer_gone_hooks:
         _writer_gone_hooks.remove(hook)
+
+
+def _tell_in_background(queue_ref, error: WriterGoneError) -> None:
+    # (The heartbeat thread: nothing may escape into it.)
+    queue = queue_ref()
+    if queue is None:
+        return
+    try:
+        queue._tell_writer_gone(error)
+    except Exception:
+        logger.exception("fastmq: a writer-gone hook failed")
 
 
 def _arena_options(enable: Any, n_local_reader: Any, options: dict) -> dict:
@@ -225,7 +241,15 @@ class MessageQueue:
         # ring position and sockets are the parent's, so any use would lose
         # or duplicate messages.
         self._forked_from = None
+        # The writer-gone hooks are told once, by a dequeue or by the
+        # heartbeat thread, whichever finds it first; a dequeue waits for a
+        # shutdown until _gone_grace_until (time.monotonic) as they asked.
         self._told_writer_gone = False
+        self._gone_lock = threading.Lock()
+        self._gone_grace_until = 0.0
+        if isinstance(end, RemoteReader):
+            this = weakref.ref(self)
+            end.on_writer_silent(lambda e: _tell_in_background(this, e))
         self._finalizer = weakref.finalize(self, _overflow.close_all, *end.zmq)
         self._finalizer.atexit = False
         _live_queues.add(self)
@@ -299,12 +323,19 @@ class MessageQueue:
         except WriterGoneError as e:
             self._writer_gone(e, timeout)
 
-    def _writer_gone(self, error: WriterGoneError, timeout: float | None):
-        grace = 0.0
-        if not self._told_writer_gone:
+    def _tell_writer_gone(self, error: WriterGoneError) -> None:
+        with self._gone_lock:
+            if self._told_writer_gone:
+                return
             self._told_writer_gone = True
-            for hook in list(_writer_gone_hooks):
-                grace = max(grace, hook(error, self) or 0.0)
+        grace = 0.0
+        for hook in list(_writer_gone_hooks):
+            grace = max(grace, hook(error, self) or 0.0)
+        self._gone_grace_until = time.monotonic() + grace
+
+    def _writer_gone(self, error: WriterGoneError, timeout: float | None):
+        self._tell_writer_gone(error)
+        grace = self._gone_grace_until - time.monotonic()
         if timeout is not None:
             grace = min(grace, max(timeout, 0.0))
         if grace > 0 and self._end.wait_shutdown(grace):

@@ -93,7 +93,8 @@ class ShmRingBuffer:
             try:
                 # The memory must be there now (a clear error here, not
                 # later), but is taken as messages first reach each chunk
-                # (RingWriter): a ring holds what it carried, as vLLM's does.
+                # (RingWriter): a ring holds what it carried, as vLLM's does
+                # (and each chunk's first page from the start).
                 avail = memory_available()
                 if 0 <= avail < self.total_bytes_of_buffer:
                     raise shm_full_error(

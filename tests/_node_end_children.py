@@ -134,7 +134,8 @@ def worker(handle, out_dir, death_r, grace_s, role):
 def recognised_in_vllms_busy_loop() -> dict:
     """What the hook's test says inside vLLM's real ``WorkerProc.worker_busy_loop``
     (vLLM imported; no worker started): for the queue that loop reads, and
-    for another queue dequeued there."""
+    for another queue dequeued there; and the same asked from another
+    thread while the loop is busy."""
     from vllm.v1.executor import multiproc_executor
 
     from fastmq.vllm import _node_end
@@ -145,6 +146,14 @@ def recognised_in_vllms_busy_loop() -> dict:
         def dequeue(self, indefinite=False):
             seen["its rpc_broadcast_mq"] = _node_end.is_scheduler_broadcast(self)
             seen["another queue"] = _node_end.is_scheduler_broadcast(Broadcast())
+            # The heartbeat thread's view, while the loop's thread is busy
+            # (here: in this call) and never comes back to dequeue.
+            other = threading.Thread(target=lambda: seen.update({
+                "from another thread": _node_end.is_scheduler_broadcast(self),
+                "another queue from another thread":
+                    _node_end.is_scheduler_broadcast(Broadcast())}))
+            other.start()
+            other.join()
             raise _Out
 
     class _Out(Exception):

@@ -46,7 +46,10 @@ def node_env(tmpdir: str, **extra: str) -> dict:
     (vLLM's and fastmq's advertised address, gloo's interface), this
     checkout and tests/ on the path."""
     env = dict(os.environ)
-    env.update(TMPDIR=tmpdir, VLLM_HOST_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
+    # (vLLM's ipc socket files go to VLLM_RPC_BASE_PATH, which the session
+    # set: the node's own TMPDIR instead.)
+    env.update(TMPDIR=tmpdir, VLLM_RPC_BASE_PATH=tmpdir, VLLM_HOST_IP="127.0.0.1",
+               GLOO_SOCKET_IFNAME="lo",
                PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([TESTS, ROOT, env.get("PYTHONPATH", "")]))
     env.pop("FASTMQ_HOST_IP", None)

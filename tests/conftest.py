@@ -6,6 +6,10 @@
   hold before (no descriptor, no mapping: ``/proc/self/fd`` and
   ``/proc/self/maps``), and no fastmq file may exist in /dev/shm or the
   temporary directory (fastmq makes none) (``no_leftovers``, autouse).
+* vLLM's own processes and queues, which many tests run (and kill),
+  name their ZMQ ipc socket files in ``VLLM_RPC_BASE_PATH`` (by default
+  the temporary directory), and a killed one leaves them: this session
+  points it at a directory of its own, removed when the session ends.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import gc
 import glob
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 import threading
 
@@ -21,6 +26,17 @@ import pytest
 from _held import held_segments, segments_made_by  # noqa: F401 (tests import them here)
 
 SPAWN = mp.get_context("spawn")
+
+# Set before any test or child starts (children inherit the environment).
+_VLLM_IPC_DIR = None
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    _VLLM_IPC_DIR = tempfile.mkdtemp(prefix="fastmq-tests-vllm-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = _VLLM_IPC_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _VLLM_IPC_DIR is not None:
+        shutil.rmtree(_VLLM_IPC_DIR, ignore_errors=True)
 
 
 # Pids whose files this test session answers for: itself and its children

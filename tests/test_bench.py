@@ -122,9 +122,12 @@ def test_quick_runs_every_scenario_and_writes_valid_json(quick_run):
             assert r["samples"] == p.wake_samples  # one latency per reader per message
             assert r["idle_before_s"] >= p.wake_gap_s
             if r["impl"].startswith("floor"):
-                assert r["cpu_pct"] is None
+                assert r["cpu_pct"] is None and r["first_us"] is None
             else:
                 assert r["cpu_pct"] >= 0 and r["cpu_window_s"] >= p.idle_window_s
+                # The fresh queue's first messages, measured apart.
+                assert r["first_messages"] == p.wake_first and r["first_us"] > 0
+                assert _finite(r["first_vs_later"])
             if r["impl"] != "floor-pipe":
                 assert _finite(r["vs_floor"])  # against the Python pipe floor
 
@@ -652,9 +655,22 @@ def test_the_slower_sentence_comes_from_the_figures():
                 ("vllm", 50.0, 50.0), ("fastmq-futex", 40.0, 40.0))]
     figures.annotate(tensors)
     assert readme.slower([{"records": tensors}]) == (
-        "fastmq is faster than vLLM in every one of the 2 figures compared. On first use (the "
-        "first message of each size on a fresh queue) it is slower in tensor, 1 of 2 figures "
-        "(fastmq-futex+arena, 64 MiB; lowest 0.500x, fastmq-futex+arena, N=2).")
+        "fastmq is faster than vLLM in every one of the 2 figures compared. On first use (a "
+        "fresh queue's first messages: of each tensor size; wake's first pass over the ring) "
+        "it is slower in tensor, 1 of 2 figures (fastmq-futex+arena, 64 MiB; lowest 0.500x, "
+        "fastmq-futex+arena, N=2).")
+    # So are wake's: a fresh queue's first messages against vLLM's, and
+    # against the same row's later ones.
+    wakes = [dict(_rec("wake", impl, p50, None, 1), first_us=first) for impl, p50, first in
+             (("vllm", 600.0, 900.0), ("fastmq-futex", 150.0, 300.0))]
+    figures.annotate(wakes)
+    mine = wakes[1]
+    assert mine["first_vs_vllm"] == 3.0 and mine["first_vs_later"] == 0.5
+    assert readme.slower([{"records": wakes}]).endswith(
+        "On first use it is at or ahead in all 1 figures.")
+    rows = report.summary_rows(wakes, readme=True)
+    assert ["wake from idle, the first messages of a fresh queue, N=1", "300 us", "900 us",
+            "3.00x"] in rows
 
 
 def test_a_json_file_of_another_format_is_refused(tmp_path):

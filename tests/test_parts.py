@@ -165,11 +165,12 @@ def test_a_ring_holds_the_pages_its_messages_wrote_and_one_of_bookkeeping():
     # vLLM's ring holds one page of metadata and, in each chunk, the pages
     # its largest message there wrote; so does fastmq's (the reader slots
     # and chunk flags share the header's page, and a chunk is reserved to
-    # the page, not in larger steps).
+    # the page, not in larger steps), but each chunk's first page is taken
+    # with the ring: a fresh queue's first messages take none on their way.
     w, (r,) = local_pair(max_chunk_bytes=1 << 20, max_chunks=4,
                          enable_shm_tensor_arena=False)
     seg = w.buffer.segment
-    assert seg.held_bytes() == 4096
+    assert seg.held_bytes() == 4096 * (1 + 4)
     sizes = [100_000, 300_001, 5000, 200_000]
     for n in sizes:
         w.enqueue(b"x" * n, timeout=10)
@@ -635,3 +636,40 @@ def test_a_reader_without_a_deadline_refuses_parts_larger_than_the_host_has(monk
         sender.join(30)
         r.shutdown()
         w.shutdown()
+
+
+@pytest.mark.parametrize("room, fresh_s, reads", [(64 << 30, 60.0, 1), (40 << 20, 60.0, 5),
+                                                 (64 << 30, 0.0, 5)])
+def test_the_hosts_memory_is_read_once_for_a_run_of_large_messages(monkeypatch, room, fresh_s,
+                                                                   reads):
+    # Each message in parts asks whether the host has its memory: a read
+    # of /proc and the cgroup files, as long as copying a megabyte.  With
+    # plenty of room one read stands for the messages just after it (for
+    # FRESH_S, long here so that a slow machine does not decide); with
+    # little room, or once it is stale, every message reads again.  (It
+    # used to read every time.)
+    from fastmq import _parts
+    monkeypatch.setattr(_parts, "FRESH_S", fresh_s)
+    calls = []
+
+    def counted():
+        calls.append(1)
+        return room
+
+    monkeypatch.setattr(_parts, "memory_available", counted)
+    w, (r,) = local_pair(max_chunk_bytes=1 << 20, max_chunks=4,
+                         enable_shm_tensor_arena=False)
+    big = bytes(6 << 20)
+    try:
+        for i in range(5):
+            # One at a time: each finds the ring free and goes in parts.
+            sender = threading.Thread(target=w.enqueue, args=((i, big), 30))
+            sender.start()
+            got = r.dequeue(timeout=30)
+            sender.join(30)
+            assert got[0] == i and len(got[1]) == len(big)
+    finally:
+        r.shutdown()
+        w.shutdown()
+    assert w.stats()["parts_messages"] == 5
+    assert len(calls) == reads

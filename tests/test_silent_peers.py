@@ -21,6 +21,7 @@ import time
 import pytest
 
 from fastmq import MessageQueue, _wire
+from fastmq.queue import add_writer_gone_hook, remove_writer_gone_hook
 from fastmq._gone import WriterGoneError
 from fastmq._ring import CorruptChunkError
 
@@ -128,6 +129,50 @@ def test_a_reader_whose_writers_node_went_silent_raises_within_the_bound(procs, 
     # And for good: the next call says the same at once.
     with pytest.raises(WriterGoneError, match="went silent"):
         r.dequeue(timeout=5)
+
+
+def test_a_reader_busy_elsewhere_is_told_its_writers_node_went_silent(procs, node, bound):
+    """The reader is not in dequeue() when the writer's node goes silent
+    (a vLLM worker in a collective with the dead node's ranks, which never
+    returns).  Its heartbeats go unanswered, the kernel gives up on the
+    connection, and the writer-gone hooks are told from the heartbeat
+    thread within the bound, and the next dequeue() raises the same silence
+    at once.  (It used to be told only by a dequeue that waited.)"""
+    told = []
+    came = threading.Event()
+
+    def hook(error, queue):
+        told.append((error, queue, threading.current_thread().name))
+        came.set()
+
+    writer, conn, handle = _writer_in_node(procs, node)
+    r = MessageQueue.create_from_handle(handle, 0)
+    r.wait_until_ready()
+    assert _recv(conn) == "ready"
+    conn.send("first")
+    assert _recv(conn) == "sent"
+    assert r.dequeue(timeout=10) == "first"
+    add_writer_gone_hook(hook)
+    try:
+        cut = _silence(node, writer)
+        # The kernel's user timeout (the bound) after the first heartbeat
+        # that went unacknowledged, found by the heartbeat after it.
+        assert came.wait(WITHIN + BOUND), "no hook was told while no dequeue() waited"
+        took = time.monotonic() - cut
+        [(error, queue, thread)] = told
+        assert queue is r and thread == "fastmq-liveness"
+        _assert_names_silent_writer(error, writer, node)
+        assert took <= WITHIN + BOUND
+        start = time.monotonic()
+        with pytest.raises(WriterGoneError, match="went silent") as raised:
+            r.dequeue()
+        assert time.monotonic() - start < 1.0
+        for e in (error, raised.value):
+            assert "the kernel timed the connection out" in str(e), str(e)
+        assert len(told) == 1     # once per queue
+    finally:
+        remove_writer_gone_hook(hook)
+        r.shutdown()
 
 
 def test_a_reader_in_its_handshake_whose_writers_node_went_silent_raises(procs, node, bound):

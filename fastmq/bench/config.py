@@ -50,6 +50,9 @@ class Params:
     wake_samples: int = 10
     wake_warmup: int = 20
     wake_gap_s: float = 0.1         # parked at least this long (after any spin phase)
+    # The first messages of the fresh queue, before the warm-up, each after the
+    # same gap: one pass over vLLM's default 10 ring chunks (fastmq's too).
+    wake_first: int = 10
     idle_window_s: float = 2.0      # idle-CPU window after the last message
     # every blocking operation of the harness gives up after this long.
     timeout_s: float = 60.0

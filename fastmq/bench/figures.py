@@ -30,6 +30,9 @@ def annotate(records: list[dict]) -> None:
         r["vs_floor"] = quotient(r, other(spec.floor), "p50", spec)
         for name, field in spec.extra_ratios.items():
             r[name] = quotient(r, v, field, spec)
+        for name, (ref_field, field) in spec.self_ratios.items():
+            a, b = r.get(ref_field), r.get(field)
+            r[name] = a / b if a and b else None
 
 
 # How repeated runs combine (else: a float's median); each run's own _RUNS are kept too.

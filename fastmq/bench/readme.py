@@ -58,8 +58,8 @@ def slower(results: list[dict]) -> str:
             "compared.")
     first, n_first = _below(results, "first_vs_vllm")
     if first:
-        text += (" On first use (the first message of each size on a fresh queue) it is "
-                 "slower in "
+        text += (" On first use (a fresh queue's first messages: of each tensor size; "
+                 "wake's first pass over the ring) it is slower in "
                  + "; in ".join(first) + ".")
     elif n_first:
         text += f" On first use it is at or ahead in all {n_first} figures."

@@ -36,6 +36,8 @@ class Scenario:
     summary_size: int | None = None   # the size the summary quotes (nearest); None: every size
     grids: tuple = ()             # (title, note, column, ((label, impl, ref), ...)[, field]): report.grid
     extra_ratios: dict = field(default_factory=dict)  # name -> field compared with vLLM's
+    # name -> (reference field, field) of the same row (RATIO_RULE: reference / field)
+    self_ratios: dict = field(default_factory=dict)
     needs_torch: bool = False
     notes: Callable = lambda rs, records: []
 

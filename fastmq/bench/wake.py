@@ -11,9 +11,9 @@ import numpy as np
 
 from fastmq import _floor
 from fastmq.bench.harness import (BenchError, VerifyError, attached, bench_segment, groups,
-                                  record, serve)
+                                  record, serve, summarize)
 from fastmq.bench.impls import IMPLS
-from fastmq.bench.scenario import Line, Scenario, latency_columns
+from fastmq.bench.scenario import Line, Scenario, latency_columns, num, ratio
 
 NAME = "wake"
 
@@ -29,6 +29,12 @@ def _notes(rs, records) -> list[str]:
           "Python reader blocked in os.read() on a pipe, the Python writer writing its "
           "clock reading after time.sleep(). vs pipe floor = floor-pipe p50 / this p50."]
          if any(r["impl"].startswith("floor-") for r in rs) else []) + \
+        ([f"first {w['first_messages']}: p50 of the one-way latency of the fresh queue's "
+          f"first {w['first_messages']} messages (one pass over the ring's chunks: vLLM's "
+          "default 10, fastmq's too), each after the same idle gap, before the warm-up; "
+          "later / first: this row's p50 over that figure (at or above 1x the first "
+          "messages of a queue cost no more than later ones)."]
+         if w and w.get("first_messages") else []) + \
         (["few samples: p99 is close to the maximum; --full takes more."]
          if any(r["samples"] < 100 for r in rs) else [])
 
@@ -39,13 +45,20 @@ SPEC = Scenario(
     "(microseconds), and CPU used by an idle reader",
     rows={"fastmq-futex": "vllm", "vllm": None, "floor-pipe": "vllm", "floor-futex": "vllm"},
     columns=(("idle before", lambda r: f"{r['idle_before_s']:.3g} s"), *_COLS[:-1],
+             ("first p50 us", lambda r: num(r.get("first_us"))),
+             ("first vs vLLM", lambda r: ratio(r.get("first_vs_vllm"))),
+             ("later / first", lambda r: ratio(r.get("first_vs_later"))),
              ("idle CPU %", lambda r: "-" if r.get("cpu_pct") is None
               else f"{r['cpu_pct']:.2f}"), _COLS[-1]),
     floor="floor-pipe",
     # The C futex floor bounds the pipe floor too; the pipe floor only the queues.
     bounds={"floor-pipe": lambda i: not i.startswith("floor"),
             "floor-futex": lambda i: i != "floor-futex"},
+    extra_ratios={"first_vs_vllm": "first_us"},
+    self_ratios={"first_vs_later": ("p50", "first_us")},
     summary=(Line("wake from idle, one-way", "fastmq-futex", "vllm", readme=True),
+             Line("wake from idle, the first messages of a fresh queue", "fastmq-futex",
+                  "vllm", field="first_us", readme=True),
              Line("wake from idle against the Python pipe floor", "fastmq-futex",
                   "floor-pipe"),
              Line("wake from idle against the C futex floor", "fastmq-futex", "floor-futex"),
@@ -71,7 +84,8 @@ def cpu_ticks(pid: int) -> int:
 
 def run(env, impls, params, progress) -> list[dict]:
     def measure(g):
-        rec = dict(warmup=params.wake_warmup, spin_s=0.0, cpu_window_s=None, cpu_pct=None)
+        rec = dict(warmup=params.wake_warmup, spin_s=0.0, cpu_window_s=None, cpu_pct=None,
+                   first_messages=0, first_us=None)
         if g.impl.family == "floor":
             # As long as fastmq's futex-mode writer sleeps: its spin phase plus the gap.
             idle = IMPLS["fastmq-futex"].spin_s + params.wake_gap_s
@@ -79,13 +93,20 @@ def run(env, impls, params, progress) -> list[dict]:
             latencies = wake(g, idle, params)
         else:
             rec["spin_s"] = g.impl.spin_s
-            idle, latencies = rec["spin_s"] + params.wake_gap_s, []
-            for i in range(params.wake_warmup + params.wake_samples):
-                if i >= params.wake_warmup:
+            idle, latencies, first = rec["spin_s"] + params.wake_gap_s, [], []
+            # The fresh queue's first messages (nothing went through it
+            # yet), then the warm-up back to back, then the counted ones.
+            k, w = params.wake_first, params.wake_warmup
+            for i in range(k + w + params.wake_samples):
+                if not k <= i < k + w:
                     time.sleep(idle)
                 acks = g.round_trip(("wake", i + 1, _now()), free=1)[1]
-                if i >= params.wake_warmup:
+                if i < k:
+                    first += [a[3] for a in acks]
+                elif i >= k + w:
                     latencies += [a[3] for a in acks]
+            if first:
+                rec.update(first_messages=k, first_us=summarize(first, 1e3)["p50"])
             ticks0, t0 = [cpu_ticks(p.pid) for p in g.procs], time.monotonic()
             time.sleep(params.idle_window_s)
             ticks1, window = [cpu_ticks(p.pid) for p in g.procs], time.monotonic() - t0

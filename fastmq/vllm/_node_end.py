@@ -24,6 +24,13 @@ standalone use) and for every other queue, the user's own included, the
 reader raises as before: on one node the worker's parent is the engine
 core, which a user's queue must not stop.
 
+A silent engine node (it died, or its link dropped everything) is found by
+the reader's heartbeats as well as by a waiting ``dequeue``: the worker is
+then often not in its busy loop's ``dequeue`` at all but in a collective
+with ranks on that node, which never returns.  The heartbeat thread tells
+the hook then, and the worker's parent is stopped all the same (vLLM's
+shutdown ends a worker stuck so with SIGKILL).
+
 How the queue is recognised: it is the one vLLM's ``WorkerProc`` holds as
 ``rpc_broadcast_mq`` and reads in its busy loop, and the ``dequeue`` that
 found the writer gone is that loop's (the ``WorkerProc`` is ``self`` of a
@@ -68,18 +75,24 @@ def is_scheduler_broadcast(queue) -> bool:
     """Whether ``queue`` is the scheduler broadcast of a vLLM worker in this
     process, read by the caller: a ``WorkerProc`` (vLLM's, from ``EXECUTOR``)
     that holds ``queue`` as its ``rpc_broadcast_mq`` is ``self`` in one of
-    the calling frames (its busy loop's ``dequeue``)."""
+    the calling frames (its busy loop's ``dequeue``), or in a frame of
+    another thread (the busy loop, busy elsewhere)."""
     executor = sys.modules.get(EXECUTOR)
     worker_class = getattr(executor, WORKER_CLASS, None)
     if not isinstance(worker_class, type):
         return False        # no vLLM executor here: not vLLM's worker
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if (isinstance(owner, worker_class)
-                and getattr(owner, BROADCAST_ATTR, None) is queue):
-            return True
-        frame = frame.f_back
+    # The caller's thread first; then the others: the heartbeat thread
+    # finds a silent engine node while the worker's own thread is busy
+    # elsewhere (a collective with the dead node's ranks, which never
+    # returns), still inside its busy loop.
+    here = sys._getframe(1)
+    for frame in [here, *(f for f in sys._current_frames().values() if f is not here)]:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if (isinstance(owner, worker_class)
+                    and getattr(owner, BROADCAST_ATTR, None) is queue):
+                return True
+            frame = frame.f_back
     return False
 
 
