@@ -31,6 +31,9 @@ SPAWN = mp.get_context("spawn")
 _VLLM_IPC_DIR = None
 if "VLLM_RPC_BASE_PATH" not in os.environ:
     _VLLM_IPC_DIR = tempfile.mkdtemp(prefix="fastmq-tests-vllm-ipc-")
+    # As /tmp is: tests run vLLM's queue across uids (a non-root writer's
+    # socket, a root reader; a writer that changed its uid).
+    os.chmod(_VLLM_IPC_DIR, 0o1777)
     os.environ["VLLM_RPC_BASE_PATH"] = _VLLM_IPC_DIR
 
 
