@@ -83,9 +83,9 @@ class _Reader:
     def write(self) -> int:
         try:
             return self.out.write(self.fd)
-        except TimeoutError as e:    # ETIMEDOUT: the kernel gave up on its node
-            raise PeerSilent(e.strerror or str(e)) from e
         except OSError as e:
+            if e.errno in _liveness.UNREACHED:    # the kernel gave up on its node
+                raise PeerSilent(e.strerror or str(e)) from e
             raise PeerGone(str(e)) from e
 
     def describe(self) -> str:
@@ -261,14 +261,14 @@ class Fanout(FanoutSending, FanoutLiveness):
         except BlockingIOError:
             return
         except OSError as e:
-            if isinstance(e, TimeoutError) and j.identity is not None:
+            if e.errno in _liveness.UNREACHED and j.identity is not None:
                 # Its node went silent before the handshake completed: the
                 # rank may connect again (a new process).
                 rank, pid = j.identity
                 logger.warning("fastmq: remote reader rank %d (pid %d on its node) at %s went "
-                               "silent during the handshake (the kernel timed the connection "
-                               "out: %s, keepalive unanswered for about %g s): dropped; the "
-                               "writer waits for that rank to connect again", rank, pid,
+                               "silent during the handshake (the kernel gave up on the "
+                               "connection: %s, keepalive unanswered for about %g s): dropped; "
+                               "the writer waits for that rank to connect again", rank, pid,
                                j.peer[0], e.strerror, self.peer_timeout)
             data = b""
         if not data:
@@ -376,9 +376,9 @@ class Fanout(FanoutSending, FanoutLiveness):
         """``r``'s connection reported a hangup or an error: closed, or
         timed out by the kernel (its node went silent)."""
         err = r.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-        if err == errno.ETIMEDOUT:
+        if err in _liveness.UNREACHED:   # (a timeout, or the soft error seen last in its place)
             self._break(r, self._silent_text(
-                r, f"the kernel timed the connection out ({os.strerror(err)}: keepalive "
+                r, f"the kernel gave up on the connection ({os.strerror(err)}: keepalive "
                 "unanswered)", time.monotonic()), "silent")
         else:
             self._break(r, f"disconnected{f' ({os.strerror(err)})' if err else ''}")

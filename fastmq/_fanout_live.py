@@ -73,12 +73,12 @@ class FanoutLiveness:
                 data = r.sock.recv(4096, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
-            except TimeoutError as e:
-                r.gone = (self._silent_text(
-                    r, f"the kernel timed the connection out ({e.strerror}: keepalive "
-                    "unanswered)", now), "silent")
-                return
             except OSError as e:
+                if e.errno in _liveness.UNREACHED:
+                    r.gone = (self._silent_text(
+                        r, f"the kernel gave up on the connection ({e.strerror}: keepalive "
+                        "unanswered)", now), "silent")
+                    return
                 r.gone = (f"{r.describe()} disconnected ({e}) from the writer after the "
                           "handshake", "disconnected")
                 return

@@ -166,7 +166,7 @@ class FanoutSending:
                             break
                 except PeerSilent as e:
                     self._break(r, self._silent_text(
-                        r, f"the kernel timed the connection out ({e})", time.monotonic()),
+                        r, f"the kernel gave up on the connection ({e})", time.monotonic()),
                         "silent")
                     continue
                 except PeerGone as e:

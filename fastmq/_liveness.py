@@ -21,7 +21,17 @@ full.  So neither end relies on the other's kernel alone:
   live reader that stops reading for a while leaves the writer's data
   unacknowledged behind a zero window, and this kernel aborts such a
   connection at the user timeout (measured), which would drop a slow
-  reader instead of waiting for it.
+  reader instead of waiting for it;
+* a reader that is not receiving (busy elsewhere) cannot judge its writer
+  by the bytes it reads, and the kernel's abort is not to be relied on:
+  it reports the last soft error instead of a timeout (``No route to
+  host`` once the neighbour's address no longer resolves), and while
+  local retransmissions fail (a link without carrier) it may never abort
+  at all (seen: 21 retransmissions over 66 s, still established, with a
+  3 s user timeout).  So the heartbeat thread also asks the kernel when
+  the writer's node last acknowledged anything (``unacknowledged_s``): a
+  node that is alive acknowledges the reader's heartbeats within a round
+  trip, whatever its process does.
 
 The heartbeats come from one daemon thread per process (``Pulse``), for
 every queue end in it: it wakes once per interval and sends only on a
@@ -31,8 +41,12 @@ ends: it never sends on the parent's connections.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import socket
+import struct
+import termios
 import threading
 import time
 import weakref
@@ -62,6 +76,42 @@ def tune(sock: socket.socket, bound: float, user_timeout: bool) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(bound * 1000))
     except (OSError, AttributeError):
         pass   # (not Linux: the heartbeats alone tell)
+
+
+# The head of Linux's struct tcp_info (linux/tcp.h): eight one-byte fields
+# (tcpi_state first), then 32-bit ones, the 13th tcpi_last_ack_recv (ms
+# since the peer's last acknowledgement of anything).
+_TCP_INFO = struct.Struct("=8B14I")
+_TCP_ESTABLISHED = 1
+_LAST_ACK_RECV = 8 + 12
+_OUTQ = struct.Struct("i")
+
+# Errors a send or receive gets once the kernel gave up on the peer's node
+# (a timeout; or the soft error it saw last, reported in the timeout's
+# place): silence, not a close.
+UNREACHED = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                       errno.EHOSTDOWN, errno.ENETDOWN})
+
+
+def unacknowledged_s(sock: socket.socket) -> float:
+    """For how long the peer's kernel has acknowledged nothing on ``sock``
+    while bytes this end sent wait for it (sent and unacknowledged, or not
+    yet out: a host whose own link drops them): 0.0 when none wait (or
+    where the kernel does not say)."""
+    try:
+        waiting = _OUTQ.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ,
+                                           bytes(_OUTQ.size)))[0]
+        if waiting <= 0:
+            return 0.0
+        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+    except (OSError, AttributeError, ValueError):
+        return 0.0
+    if len(raw) < _TCP_INFO.size:
+        return 0.0
+    info = _TCP_INFO.unpack(raw)
+    if info[0] != _TCP_ESTABLISHED:
+        return 0.0
+    return info[_LAST_ACK_RECV] / 1000.0
 
 
 def ago(t: float | None, now: float | None = None) -> str:

@@ -233,14 +233,12 @@ class Stream(StreamHello):
             k = self.sock.recv_into(view)
         except BlockingIOError:
             return None
-        except TimeoutError as e:    # ETIMEDOUT: the kernel gave up on the writer's node
-            self._fail_silent(PeerSilent(
-                f"the kernel timed the connection out ({e.strerror}: keepalive or "
-                f"heartbeats unacknowledged for the bound, FASTMQ_PEER_TIMEOUT_S, of "
-                f"{self.peer_timeout:g} s)", self.last_heard() if self._live else ""))
         except OSError as e:
             if self._silent is not None:    # the heartbeat thread took the error first
                 raise PeerSilent(self._silent.what, self._silent.last) from None
+            if e.errno in _liveness.UNREACHED:    # the kernel gave up on the writer's node
+                self._fail_silent(PeerSilent(self.kernel_gave_up(e),
+                                             self.last_heard() if self._live else ""))
             raise PeerGone(str(e)) from e
         if k == 0:
             if self._silent is not None:

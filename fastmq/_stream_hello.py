@@ -97,6 +97,14 @@ class StreamHello:
         beat = _liveness.interval(self.peer_timeout)
         if now < self._alive_due:
             return self._alive_due
+        # Before this heartbeat: the ones before it should be acknowledged
+        # by now (a node that is alive does so within a round trip).
+        unanswered = _liveness.unacknowledged_s(self.sock)
+        if unanswered > self.peer_timeout:
+            self._silent_in_background(
+                f"its node acknowledged nothing this reader sent for {unanswered:.1f} s "
+                f"(the bound, FASTMQ_PEER_TIMEOUT_S, is {self.peer_timeout:g} s)")
+            return None
         self._alive_due = now + beat
         self._alive_counter += 1
         try:
@@ -105,26 +113,30 @@ class StreamHello:
                            socket.MSG_DONTWAIT)
         except BlockingIOError:
             pass    # its writer reads them: a full buffer is a writer that is gone
-        except TimeoutError as e:
-            # ETIMEDOUT: the kernel gave up on the writer's node (these
-            # heartbeats went unacknowledged for the user timeout).  Said
-            # here, not left to the next receive: a reader busy elsewhere
-            # (a vLLM worker in a collective with the dead node's ranks)
-            # may never come back to receive.
-            self._silent_in_background(e)
+        except OSError as e:
+            if e.errno not in _liveness.UNREACHED:
+                return None   # (the receive says what happened)
+            # The kernel gave up on the writer's node.  Said here, not left
+            # to the next receive: a reader busy elsewhere (a vLLM worker in
+            # a collective with the dead node's ranks) may never come back
+            # to receive.
+            self._silent_in_background(self.kernel_gave_up(e))
             return None
-        except OSError:
-            return None   # (the receive says what happened)
         return self._alive_due
 
-    def _silent_in_background(self, e: OSError) -> None:
-        silent = PeerSilent(
-            f"the kernel timed the connection out ({e.strerror}: heartbeats "
-            f"unacknowledged for the bound, FASTMQ_PEER_TIMEOUT_S, of "
-            f"{self.peer_timeout:g} s)", self.last_heard())
+    def kernel_gave_up(self, e: OSError) -> str:
+        """What the kernel's error on the connection says: it gave up on
+        the writer's node (the error is its timeout, or the soft error it
+        saw last in the timeout's place)."""
+        return (f"the kernel gave up on the connection ({e.strerror}: keepalive or heartbeats "
+                f"unacknowledged for the bound, FASTMQ_PEER_TIMEOUT_S, of "
+                f"{self.peer_timeout:g} s)")
+
+    def _silent_in_background(self, what: str) -> None:
+        silent = PeerSilent(what, self.last_heard())
         # Before the shutdown: a receive that then finds the connection
         # closed reports this silence, not a close (the kernel tells its
-        # error once, and this send took it).
+        # error once, and this thread took it).
         self._silent = silent
         self._live = False
         try:

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 
 import _executor_worker as ew
 
@@ -159,18 +160,17 @@ def engine(*phases: str) -> None:
 
 
 # -- node 1: headless ----------------------------------------------------------------
-def headless() -> None:
-    """As ``vllm serve --nnodes 2 --node-rank 1 --headless``: the executor
-    with its worker, then its worker monitor until the worker dies or this
-    node is stopped (SIGTERM); then what is left on this node."""
-    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
+def serve_headless(make_executor) -> None:
+    """As ``vllm serve --nnodes N --node-rank K --headless`` runs a node:
+    ``make_executor()`` (vLLM's ``MultiprocExecutor`` with this node's
+    workers), then its worker monitor, inline, until a worker dies or this
+    node is stopped (SIGTERM); then ``RESULT``: how it ended and what is
+    left on this node."""
     def stop(signum, frame):
         raise SystemExit
 
     signal.signal(signal.SIGTERM, stop)
-    config = _config(1)
-    executor = MultiprocExecutor(config, monitor_workers=False)
+    executor = make_executor()
     pids = [w.proc.pid for w in executor.workers]
     out = {"node_pid": os.getpid(), "node_fastmq_active": _fastmq_active(),
            "worker_pids": pids, "stopped": False}
@@ -179,6 +179,7 @@ def headless() -> None:
         executor.start_worker_monitor(inline=True)
     except SystemExit:
         out["stopped"] = True
+        out["stopped_at"] = time.time()
     finally:
         executor.shutdown()
     del executor
@@ -187,3 +188,10 @@ def headless() -> None:
     out["leftovers"] = _leftovers([os.getpid(), *pids])
     print("RESULT " + json.dumps(out), flush=True)
     sys.exit(0)
+
+
+def headless() -> None:
+    """Node 1 of the executor tests (``serve_headless``)."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    serve_headless(lambda: MultiprocExecutor(_config(1), monitor_workers=False))

@@ -15,7 +15,6 @@ import ctypes
 import itertools
 import os
 import subprocess
-import sys
 import time
 
 CLONE_NEWNET = 0x40000000
@@ -251,35 +250,10 @@ def vllm_engine() -> None:
 def vllm_headless() -> None:
     """Node 1: as ``vllm serve --nnodes 2 --node-rank 1 --headless``; when
     it ends, how, and what is left on this node."""
-    import gc
-    import json
-    import signal as _signal
-
-    import _executor_worker as ew
-    from _multinode_worker import _leftovers
+    from _multinode_worker import serve_headless
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    def stop(signum, frame):
-        raise SystemExit
-
-    _signal.signal(_signal.SIGTERM, stop)
-    executor = MultiprocExecutor(_vllm_config(1), monitor_workers=False)
-    pids = [w.proc.pid for w in executor.workers]
-    out = {"node_pid": os.getpid(), "worker_pids": pids, "stopped": False}
-    print("NODE1 " + json.dumps(out), flush=True)
-    try:
-        executor.start_worker_monitor(inline=True)
-    except SystemExit:
-        out["stopped"] = True
-        out["stopped_at"] = time.time()
-    finally:
-        executor.shutdown()
-    del executor
-    gc.collect()
-    out["alive_after_shutdown"], out["alive_detail"] = ew.still_alive(pids)
-    out["leftovers"] = _leftovers([os.getpid(), *pids])
-    print("RESULT " + json.dumps(out), flush=True)
-    sys.exit(0)
+    serve_headless(lambda: MultiprocExecutor(_vllm_config(1), monitor_workers=False))
 
 
 # -- real generation across the link (vLLM's CPU build) --------------------------------
@@ -310,43 +284,14 @@ def gen_node0() -> None:
 def gen_node1() -> None:
     """Node 1: as ``vllm serve --nnodes 2 --node-rank 1 --headless``; when
     it ends, how, and what is left on this node."""
-    import gc
-    import json
-    import signal as _signal
-
     import _vllm_models as g
 
     os.environ.update({k: v for k, v in g.GEN_ENGINE_ENV.items() if k not in os.environ})
+    from _multinode_worker import serve_headless
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    def stop(signum, frame):
-        raise SystemExit
-
-    _signal.signal(_signal.SIGTERM, stop)
     args = EngineArgs(model=os.environ["FASTMQ_TEST_MODEL_DIR"], tensor_parallel_size=2,
                       **g.ENGINE_ARGS, node_rank=1, **_gen_two_node_args())
-    executor = MultiprocExecutor(args.create_engine_config(headless=True),
-                                 monitor_workers=False)
-    pids = [w.proc.pid for w in executor.workers]
-    out = {"node_pid": os.getpid(), "worker_pids": pids, "stopped": False}
-    print("NODE1 " + json.dumps(out), flush=True)
-    try:
-        executor.start_worker_monitor(inline=True)
-    except SystemExit:
-        out["stopped"] = True
-    finally:
-        executor.shutdown()
-    del executor
-    gc.collect()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
-        time.sleep(0.1)
-    out["alive_after_shutdown"] = [p for p in pids if os.path.exists(f"/proc/{p}/stat")
-                                   and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
-    import glob
-    import tempfile
-    out["leftovers"] = sorted(glob.glob("/dev/shm/fastmq_*") +
-                              glob.glob(os.path.join(tempfile.gettempdir(), "fastmq_*")))
-    print("RESULT " + json.dumps(out), flush=True)
-    sys.exit(0)
+    serve_headless(lambda: MultiprocExecutor(args.create_engine_config(headless=True),
+                                             monitor_workers=False))
