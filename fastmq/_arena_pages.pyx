@@ -13,6 +13,7 @@ from libc.stdlib cimport calloc, free
 from fastmq._native.atomic cimport (fmq_local_load_int, fmq_local_load_u64_acq,
                                     fmq_local_max_u64_rel, fmq_local_store_int)
 from fastmq._native.layout cimport align_up as _align
+from fastmq._memory cimport room_for
 from fastmq._segment cimport Segment
 
 import collections
@@ -21,7 +22,7 @@ import os
 import threading
 
 from fastmq._arena import PAGE
-from fastmq._memory import ShmFullError, memory_available
+from fastmq._memory import ShmFullError
 
 logger = logging.getLogger("fastmq")
 
@@ -71,8 +72,9 @@ cdef class SlotPages:
         # no size limit of its own, so populating past what the host (or
         # this cgroup) has left would wake the OOM killer, not fail.  Some
         # room stays for everything else.  Only on cold pages, never in
-        # the steady state.
-        avail = memory_available()
+        # the steady state; through the kept reading (fastmq._memory), so
+        # no file is read here while memory is plentiful.
+        cdef long long avail = room_for(n)
         if avail < 0 or avail >= n + MEMORY_HEADROOM:
             return False
         self.n_nomem += 1

@@ -158,6 +158,7 @@ cdef class ArenaReaderEnd(ArenaEnd):
             seg.size = st.st_size
             seg.name = name
             seg.owner = False
+            seg.mapped()
             b = <char *>p
             status = header_status(b, C_MAGIC, LAYOUT_VERSION)
             if status == HEADER_NO_MAGIC:

@@ -25,6 +25,8 @@ out: the check then never refuses for memory it cannot see is missing.
 """
 import logging
 import os
+import threading
+import time
 
 logger = logging.getLogger("fastmq")
 
@@ -56,15 +58,136 @@ def shm_full_error(str what, Py_ssize_t needed, str name):
 
 
 cdef int check_memory(str what, Py_ssize_t nbytes, str name) except -1:
-    # memory_available() reads several /proc and cgroup files: callers that
-    # grow a range a page at a time ask once per larger step, and a ring's
-    # small first writes not at all (its creation asked).
+    # Asked through the kept reading (room_for): no file is read here while
+    # memory is plentiful.  Callers that grow a range a page at a time
+    # still ask once per larger step, and a ring's small first writes not
+    # at all (its creation asked).
     if nbytes <= 0:
         return 0
-    avail = memory_available()
+    cdef long long avail = room_for(nbytes)
     if 0 <= avail < nbytes:
         raise shm_full_error(what, nbytes, name)
     return 0
+
+
+# -- the reading kept in the background ------------------------------------------
+# A reading costs this process about 125 us (several /proc and cgroup files
+# read and parsed), more than a message: on a message's path it was a fresh
+# queue's slowest step.  So while this process has a segment open, a thread
+# ("fastmq-memory") takes one every REFRESH_S, and a message's check uses it,
+# less what this process took since.  Memory held elsewhere may have gone
+# in the meantime: the kept reading answers only while what it leaves
+# covers the request twice over and SLACK_BYTES more, and only for
+# STALE_S; otherwise (memory near its limit, or the thread starved) the
+# check reads afresh on the spot, as correctness then is worth the read.
+REFRESH_S = 1.0
+STALE_S = 3.0
+SLACK_BYTES = 256 << 20
+
+cdef double _read_at = -1e300      # time.monotonic() of the kept reading
+cdef long long _room = -1          # its bytes less those taken since; -1: unknown
+cdef long long _n_background = 0
+cdef long long _n_on_the_spot = 0
+cdef int _open_segments = 0
+_watcher = None
+_watch_lock = threading.Lock()
+
+
+cdef long long _read_now(Py_ssize_t taking, bint on_the_spot) except -2:
+    global _read_at, _room, _n_background, _n_on_the_spot
+    cdef long long avail = memory_available()
+    _read_at = time.monotonic()
+    _room = avail - taking if avail >= taking else avail
+    if on_the_spot:
+        _n_on_the_spot += 1
+    else:
+        _n_background += 1
+    return avail
+
+
+cdef long long room_for(Py_ssize_t need) except -2:
+    """Bytes of memory available for ``need`` more (-1: unknown, nothing to
+    check against), counted as taken by the caller when there is room."""
+    global _room
+    cdef long long have = _room
+    if time.monotonic() - _read_at <= STALE_S and (have < 0 or have >= 2 * need + SLACK_BYTES):
+        if have >= 0:
+            _room = have - need
+        return have
+    _watch()                # a process forked from a watching one: start its own
+    return _read_now(need, True)
+
+
+def memory_room(Py_ssize_t need):
+    """``room_for`` for Python callers: the bytes available for ``need``
+    more, -1 when unknown; no file is read while memory is plentiful."""
+    return room_for(need)
+
+
+def memory_readings():
+    """``{"background": n, "on_the_spot": n}``: the readings of /proc and
+    the cgroup files this process took in the watcher, and on a caller's
+    path (memory near its limit, the kept reading stale, a segment opened
+    with none kept)."""
+    return {"background": _n_background, "on_the_spot": _n_on_the_spot}
+
+
+cdef int segment_opened() except -1:
+    # Creating or attaching a segment is not a message's path: a reading
+    # is taken here when none is kept, so that the first messages find one.
+    global _open_segments
+    _open_segments += 1
+    if time.monotonic() - _read_at > REFRESH_S:
+        _read_now(0, True)
+    _watch()
+    return 0
+
+
+cdef void segment_closed() noexcept:
+    # Called from deallocation, which a garbage collection may run inside
+    # any lock of this process (an Event's among them): nothing here takes
+    # one.  The watcher sees the count at its next turn and ends.
+    global _open_segments
+    _open_segments -= 1
+
+
+cdef int _watch() except -1:
+    global _watcher
+    with _watch_lock:
+        if _watcher is None and _open_segments > 0:
+            _watcher = threading.Thread(target=_watch_loop, name="fastmq-memory", daemon=True)
+            _watcher.start()
+    return 0
+
+
+def _watch_loop():
+    global _watcher
+    try:
+        while True:
+            with _watch_lock:
+                if _open_segments <= 0:
+                    return
+            age = time.monotonic() - _read_at
+            if age >= REFRESH_S:
+                _read_now(0, False)
+                age = 0.0
+            time.sleep(REFRESH_S - age)
+    finally:
+        # Also when a reading raised: the next check reads on the spot and
+        # starts another watcher.
+        with _watch_lock:
+            _watcher = None
+
+
+def _forked_child():
+    # The child has no watcher thread (only the forking thread lives on);
+    # its next segment or check starts one.
+    global _watcher, _watch_lock
+    _watcher = None
+    _watch_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked_child)
 
 
 # -- reading ---------------------------------------------------------------------

@@ -52,7 +52,7 @@ import time
 from fastmq._piecewise import PiecewiseFile
 from fastmq._recv_buffers import POOLED_MIN_BYTES, fresh_bytearray, fresh_bytes
 from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
-from fastmq._segment import memory_available
+from fastmq._memory import memory_room
 from fastmq._sink import KIND_BUFFER, KIND_BYTEARRAY, KIND_BYTES
 
 # Bytes per part (with its header), at most a chunk: small enough that the
@@ -198,32 +198,13 @@ def read_head(ring, idx: int, length: int, total: int) -> tuple[int, list, list]
     return head, lens, kinds
 
 
-# The answer of a read of /proc and the cgroup files (about 120 us, as
-# long as copying a megabyte) stands for the messages that follow it for
-# FRESH_S, each taken off it, while what is left covers the next one twice
-# over and SLACK_BYTES more: a reader of many large messages then reads
-# /proc a few times a second, not once per message, and only where there
-# is plenty of room.  [when (time.monotonic), room, the function it came from]
-FRESH_S = 0.5
-SLACK_BYTES = 256 << 20
-_last_read: list = [float("-inf"), 0, None]
-
-
 def short_of_memory(total: int) -> int | None:
     """The bytes this host has available now, if fewer than a
     ``total``-byte message needs; else None.  Asked before any page of it
     is allocated: populating more than the host has would wake the OOM
-    killer rather than fail."""
-    now = time.monotonic()
-    at, room, source = _last_read
-    if (source is memory_available and now - at < FRESH_S
-            and room >= 2 * total + SLACK_BYTES):
-        _last_read[1] = room - total
-        return None
-    avail = memory_available()
-    # (Unknown, -1: nothing to check against, as before, every time.)
-    _last_read[:] = [now, avail - total, memory_available] if avail >= 0 else \
-        [float("-inf"), 0, None]
+    killer rather than fail.  Through the reading kept in the background
+    (fastmq._memory): no file is read here while memory is plentiful."""
+    avail = memory_room(total)
     return avail if 0 <= avail < total else None
 
 

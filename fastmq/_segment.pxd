@@ -13,5 +13,9 @@ cdef class Segment:
     cdef Py_ssize_t exports
     cdef bint close_pending
     cdef bint readonly
+    # Counted among this process's open segments (fastmq._memory's watcher
+    # runs while any is): set by mapped(), cleared by _unmap().
+    cdef bint counted
 
+    cdef int mapped(self) except -1
     cdef int _unmap(self) except -1

@@ -35,7 +35,7 @@ from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport close as c_close, ftruncate
 from posix.types cimport off_t
 
-from fastmq._memory cimport check_memory as _check_memory
+from fastmq._memory cimport check_memory as _check_memory, segment_closed, segment_opened
 
 cdef extern from "fmq_populate.h" nogil:
     int fmq_populate(char *p, size_t n)
@@ -123,24 +123,104 @@ cdef int _take_lent(str name):
 
 
 cdef object _proc_open_error(int err, str name, int pid, bytes path):
-    """Why ``/proc/<pid>/fd/<n>`` could not be opened, and what to do."""
+    """Why ``/proc/<pid>/fd/<n>`` could not be opened, naming the cause this
+    process can see (another uid, a creator that is not dumpable,
+    capabilities this process lacks, ``hidepid``, another pid namespace),
+    and what to do."""
+    fix = ("A queue's readers get its segments from the writer itself, through "
+           "its segment door, which needs no such access (a handle without a "
+           "door comes from an older fastmq: run the same fastmq everywhere)")
     if err == ENOENT:
         if os.path.exists("/proc/%d" % pid):
             return FileNotFoundError(
                 err, "fastmq segment %r is gone: its creator (pid %d) closed it" % (name, pid))
+        why = []
+        try:
+            with open("/proc/self/mountinfo") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 4 and fields[4] == "/proc" and "-" in fields:
+                        sep = fields.index("-")
+                        for opt in (fields[sep + 3].split(",") if len(fields) > sep + 3
+                                    else ()):
+                            if opt.startswith("hidepid=") and opt[8:] not in ("0", "off"):
+                                why = ["/proc is mounted with %s, which hides other users' "
+                                       "processes from this one" % opt]
+        except (OSError, ValueError):
+            pass
+        # Another pid namespace than the host's: its /proc's NSpid line has
+        # more than one pid when that /proc is the parent's; with a /proc of
+        # its own, the namespace is not the initial one (whose inode number
+        # is fixed, PROC_PID_INIT_INO).
+        nested = False
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("NSpid:") and len(line.split()) > 2:
+                        nested = True
+            if os.stat("/proc/self/ns/pid").st_ino != 0xEFFFFFFC:
+                nested = True
+        except OSError:
+            pass
+        if nested:
+            why.append("this process is in a pid namespace of its own (not the host's), "
+                       "whose /proc does not show processes outside it")
         return FileNotFoundError(
-            err, "fastmq segment %r cannot be found: its creator (pid %d) exited, or is not "
-            "visible from this process (another pid namespace or host, or /proc mounted "
-            "with hidepid); a queue's readers get its segments from the writer itself"
-            % (name, pid))
+            err, "fastmq segment %r cannot be found through %s: its creator (pid %d) "
+            "exited, or is not visible from this process (%s). %s"
+            % (name, path.decode(), pid,
+               "; ".join(why) or "another pid namespace or host, or /proc mounted "
+               "with hidepid", fix))
     if err == EACCES or err == EPERM:
+        theirs = {}
+        mine = {}
+        for who, into in (("%d" % pid, theirs), ("self", mine)):
+            try:
+                with open("/proc/%s/status" % who) as f:
+                    for line in f:
+                        key, _, value = line.partition(":")
+                        into[key] = value.split()
+            except OSError:
+                pass
+        why = []
+        try:
+            my_caps = int(mine["CapEff"][0], 16)
+            my_fsuid = int(mine["Uid"][3])
+            their_uids = [int(u) for u in theirs["Uid"][:3]]
+            their_caps = int(theirs["CapPrm"][0], 16)
+        except (KeyError, IndexError, ValueError):
+            pass
+        else:
+            if not my_caps & (1 << 19):       # CAP_SYS_PTRACE overrides the rest
+                if any(u != my_fsuid for u in their_uids):
+                    why.append("it runs as another user (uid %s) than this process (uid %d), "
+                               "which lacks CAP_SYS_PTRACE"
+                               % ("/".join(str(u) for u in sorted(set(their_uids))), my_fsuid))
+                if their_caps & ~my_caps:
+                    why.append("it holds capabilities this process lacks (its permitted "
+                               "set %x, this process's effective set %x)"
+                               % (their_caps, my_caps))
+                try:
+                    # (Its fd directory, not /proc/<pid>, which keeps the
+                    # process's owner whatever its dumpable flag.)
+                    owner = os.stat("/proc/%d/fd" % pid).st_uid
+                except OSError:
+                    owner = -1
+                if owner == 0 and their_uids[1] != 0:
+                    why.append("it is not dumpable (it changed its uid, ran a setuid program "
+                               "or set PR_SET_DUMPABLE 0: its /proc/%d/fd belongs to root)"
+                               % pid)
+                elif not why:
+                    why.append("it is not dumpable (it changed its uid, ran a setuid program "
+                               "or set PR_SET_DUMPABLE 0), or a security module refuses")
         return PermissionError(
             err, "cannot open fastmq segment %r through %s: the kernel refuses this process "
-            "ptrace access to its creator (pid %d): the creator runs as another user, is not "
-            "dumpable (it changed its uid, ran a setuid program or set PR_SET_DUMPABLE 0), "
-            "or has capabilities this process lacks. A queue's readers get its segments "
-            "from the writer itself; other tools need the creator's user and "
-            "CAP_SYS_PTRACE" % (name, path.decode(), pid))
+            "ptrace access to its creator (pid %d): %s. %s; other tools need the creator's "
+            "uid and CAP_SYS_PTRACE (root with it sees every segment)"
+            % (name, path.decode(), pid,
+               "; ".join(why) or "it runs as another user, is not dumpable (it changed its "
+               "uid, ran a setuid program or set PR_SET_DUMPABLE 0), or has capabilities "
+               "this process lacks", fix))
     return _os_error(err, "cannot open fastmq segment (through %s)" % path.decode(), name)
 
 
@@ -221,6 +301,7 @@ cdef class Segment:
         self.size = size
         self.name = name
         self.owner = True
+        self.mapped()
         return self
 
     @staticmethod
@@ -247,6 +328,7 @@ cdef class Segment:
         self.inode = st.st_ino
         self.owner = False
         self.readonly = not writable
+        self.mapped()
         return self
 
     @property
@@ -343,6 +425,17 @@ cdef class Segment:
         if self.addr != NULL:
             munmap(self.addr, self.size)
             self.addr = NULL
+        if self.counted:
+            self.counted = False
+            segment_closed()
+        return 0
+
+    cdef int mapped(self) except -1:
+        # Once per mapping, however it was made (an arena reader maps its
+        # segment itself): the count and _unmap() stay paired.
+        if not self.counted:
+            self.counted = True
+            segment_opened()
         return 0
 
     def __getbuffer__(self, Py_buffer *view, int flags):

@@ -93,6 +93,10 @@ class Stream(StreamHello):
         # writer reads at once: a user timeout never cuts a live writer.
         _liveness.tune(self.sock, self.peer_timeout, user_timeout=True)
         self.fd = self.sock.fileno()
+        # The handshake's steps as heard (time.perf_counter), for what a
+        # silence in it says was heard last (StreamHello.handshake_heard).
+        self._connect_at = time.perf_counter()
+        self._connected_at = self._challenge_at = None
         self._connect_error = self.sock.connect_ex((host, port))
         self._inbox = bytearray(self.INBOX_BYTES)
         self._mv = memoryview(self._inbox)
@@ -238,7 +242,8 @@ class Stream(StreamHello):
                 raise PeerSilent(self._silent.what, self._silent.last) from None
             if e.errno in _liveness.UNREACHED:    # the kernel gave up on the writer's node
                 self._fail_silent(PeerSilent(self.kernel_gave_up(e),
-                                             self.last_heard() if self._live else ""))
+                                             self.last_heard() if self._live
+                                             else self.handshake_heard()))
             raise PeerGone(str(e)) from e
         if k == 0:
             if self._silent is not None:

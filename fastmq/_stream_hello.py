@@ -49,10 +49,12 @@ class StreamHello:
                     pass
             except TimeoutError:
                 raise PeerSilent(f"its node did not answer the connection for "
-                                 f"{self.peer_timeout:g} s (FASTMQ_PEER_TIMEOUT_S)") from None
+                                 f"{self.peer_timeout:g} s (FASTMQ_PEER_TIMEOUT_S)",
+                                 self.handshake_heard()) from None
             err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
                 self._refused(err)
+            self._connected_at = time.perf_counter()
             self._drive(self._answer_challenge(), None)
             self._drive(self._await_ready(), None)
         except BaseException as e:
@@ -70,10 +72,16 @@ class StreamHello:
             if self.cancelled.is_set():
                 raise RuntimeError("cancelled")
             t.join(_wire.SLICE_S)
+        if self._silent is not None:
+            # (The handshake found the writer's node silent earlier: for good.)
+            raise PeerSilent(self._silent.what, self._silent.last)
+        # A failed handshake stays failed: a second wait raises again
+        # (the error is kept), never returns as if the reader were ready.
         try:
             if self._hello_error is not None:
                 raise self._hello_error
-        except PeerSilent:
+        except PeerSilent as e:
+            self._silent = e
             raise
         except PeerGone:
             raise RuntimeError(
@@ -82,8 +90,6 @@ class StreamHello:
                 "handshake completed without this reader (a reader cannot join, or after "
                 "a disconnect rejoin, a queue once the writer's wait_until_ready() has "
                 "returned; create a new queue)") from None
-        finally:
-            self._hello_error = None
 
     def pulse(self, now: float) -> float | None:
         """(The process's heartbeat thread.)  Tell the writer this reader
@@ -148,6 +154,15 @@ class StreamHello:
             told(silent)
 
     def _refused(self, err: int) -> None:
+        if err in _liveness.UNREACHED:
+            # Its node (or the router before it) found nothing at the
+            # address: a node that died or whose link went down, not a
+            # writer that closed (that node's kernel would refuse).  Before
+            # the bound, where the neighbour's address no longer resolves.
+            raise PeerSilent(
+                f"its node did not answer the connection ({os.strerror(err)}, after "
+                f"{time.perf_counter() - self._connect_at:.1f} s; the bound, "
+                f"FASTMQ_PEER_TIMEOUT_S, is {self.peer_timeout:g} s)", self.handshake_heard())
         raise RuntimeError(
             f"fastmq: cannot connect to the writer at {self.address} "
             f"({os.strerror(err)}): the writer is gone, or its handshake completed "
@@ -170,6 +185,7 @@ class StreamHello:
                                f" but the handle says {self.security!r}")
         yield from self._ensure(CHALLENGE.size)
         challenge = bytes(self._take(CHALLENGE.size))
+        self._challenge_at = time.perf_counter()
         _, _, _, _, writer_public = CHALLENGE.unpack(challenge)
         hs = _keys.Handshake(self.psk)
         blank = HELLO.pack(MAGIC, self.rank, os.getpid(), hs.nonce, hs.public,
@@ -217,6 +233,20 @@ class StreamHello:
         except OSError:
             pass
         raise e
+
+    def handshake_heard(self) -> str:
+        """What came from the writer last during the handshake, and when
+        (a silence in it has no heartbeat to name)."""
+        now = time.perf_counter()
+        if self._challenge_at is not None:
+            return (f"its challenge (the handshake's first step), "
+                    f"{now - self._challenge_at:.1f} s ago; this reader's hello, sent then, "
+                    "was never answered")
+        if self._connected_at is not None:
+            return (f"its node accepted the connection {now - self._connected_at:.1f} s ago, "
+                    "nothing heard since (no challenge came)")
+        return (f"nothing (this reader's connection, made {now - self._connect_at:.1f} s "
+                "ago, was never answered)")
 
     def last_heard(self) -> str:
         """What came from the writer last, and when."""

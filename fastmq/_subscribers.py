@@ -15,7 +15,10 @@ The topic is longer than the first frame of any message a queue sends (a
 matches a message: it only says who is there.  With ``XPUB_VERBOSER`` the
 writer sees every subscribe and unsubscribe, and ``Subscribers`` keeps the
 set of identities present.  A catch-all subscription that stays without an
-identity is foreign (see ``Subscribers.foreign``).
+identity is foreign (see ``Subscribers.foreign``).  Each event carries
+libzmq's "Peer-Address" of its connection, which for a unix socket ends
+with the kernel's ``SO_PEERCRED`` (``:uid:gid:pid``): the writer's
+long-wait line and its errors name such a subscriber by pid and uid.
 
 The socket is an abstract unix name, which any process of the writer's
 network namespace can connect to (a pod's sidecar too).  So the data
@@ -63,6 +66,8 @@ def identity(rank: int, pid: int, key: bytes) -> bytes:
 # trie's order), and a closed connection's unsubscriptions all at once:
 # real surpluses last microseconds.
 FOREIGN_AFTER_S = 1.0
+# How long before the long-wait line names such a subscriber.
+NAMED_AFTER_S = 0.1
 
 
 def subscribe(sock, topic: bytes) -> None:
@@ -83,34 +88,71 @@ class Subscribers:
         # subscriptions ``drain`` applies once their identity's tag checks.
         self._key = key
         self.refused = 0    # identities whose tag did not check
+        # Per peer (libzmq's "Peer-Address" of a unix socket names the
+        # kernel's SO_PEERCRED: "...:uid:gid:pid"): catch-all subscriptions
+        # alive, valid identities alive, identities whose tag did not check.
+        self._peer_catch_all: dict[str, int] = {}
+        self._peer_ids: dict[str, int] = {}
+        self._peer_bad_tag: dict[str, int] = {}
 
-    def feed(self, event: bytes) -> tuple[bool, bytes] | None:
-        """Account for one event; returns ``(subscribed, topic)`` for a
-        reader's identity, None for anything else."""
+    def feed(self, event: bytes, peer: str = "") -> tuple[bool, bytes] | None:
+        """Account for one event (from ``peer``, its "Peer-Address", ""
+        when not known); returns ``(subscribed, topic)`` for a reader's
+        identity, None for anything else."""
         if not event or event[0] not in (0, 1):
             return None
         subscribed, topic = event[0] == 1, bytes(event[1:])
         if not topic:
             self.catch_all += 1 if subscribed else -1
+            _count(self._peer_catch_all, peer, 1 if subscribed else -1)
             return None
         if len(topic) != IDENTITY_BYTES or not topic.startswith(IDENTITY_PREFIX):
             return None
         if self._key is not None and not hmac.compare_digest(
                 topic[-TAG_BYTES:], _tag(self._key, topic[:-TAG_BYTES])):
             self.refused += subscribed
+            if subscribed:
+                _count(self._peer_bad_tag, peer, 1)
             return None
         if subscribed:
             rank, pid, _ = _ID.unpack_from(topic, len(IDENTITY_PREFIX))
             self.present[topic] = (rank, pid)
         else:
             self.present.pop(topic, None)
+        _count(self._peer_ids, peer, 1 if subscribed else -1)
         return subscribed, topic
+
+    def unidentified(self) -> list[str]:
+        """The peers (named as ``describe_peer`` does) with more catch-all
+        subscriptions alive than valid identities: processes that
+        subscribed without a reader's identity (a sidecar, a reader of
+        vLLM's own queue)."""
+        return [describe_peer(p) for p, n in self._peer_catch_all.items()
+                if n > self._peer_ids.get(p, 0)]
+
+    def describe_refused(self) -> str:
+        """The subscribers refused so far, for the writer's long-wait
+        line: identities whose tag did not check, and catch-all
+        subscriptions without an identity that have lasted ``NAMED_AFTER_S``
+        (after ``FOREIGN_AFTER_S`` the handshake raises, naming them)."""
+        out = [f"{describe_peer(p)} (subscribed to the local socket with an identity "
+               "that does not carry this queue's key)" for p in self._peer_bad_tag]
+        if self._surplus_since is not None and \
+                time.monotonic() - self._surplus_since >= NAMED_AFTER_S:
+            out += [f"{p} (subscribed to the local socket without a reader's identity)"
+                    for p in self.unidentified()]
+        return ", ".join(out)
 
     def drain(self, sock) -> list[tuple[bool, bytes]]:
         """Feed every event waiting on ``sock``; the identity events."""
         out = []
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            got = self.feed(sock.recv(zmq.NOBLOCK))
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            try:
+                peer = frame.get("Peer-Address")
+            except (zmq.ZMQError, AttributeError, TypeError):
+                peer = ""
+            got = self.feed(frame.bytes, peer)
             if got is not None:
                 out.append(got)
                 if self._key is not None and got[0]:
@@ -124,18 +166,55 @@ class Subscribers:
 
     @property
     def foreign(self) -> bool:
-        """Whether a catch-all subscriber has had no identity for
-        ``FOREIGN_AFTER_S`` (asked after each ``drain``)."""
+        """Whether a catch-all subscriber that could be one of this queue's
+        readers has had no identity for ``FOREIGN_AFTER_S`` (asked after
+        each ``drain``).  A subscriber whose pid this process cannot see
+        (the kernel gives 0: another container's pid namespace, as a
+        Kubernetes pod's sidecar) is no reader of this writer's processes:
+        it is named in the long-wait line, never fails the handshake."""
         if self.catch_all <= len(self.present):
             self._surplus_since = None
             return False
         now = time.monotonic()
         if self._surplus_since is None:
             self._surplus_since = now
+        if self._peer_catch_all and not any(
+                _pid_of(p) != 0 for p, n in self._peer_catch_all.items()
+                if n > self._peer_ids.get(p, 0)):
+            return False
         return now - self._surplus_since >= FOREIGN_AFTER_S
 
 
-__all__ = ["IDENTITY_BYTES", "Subscribers", "identity", "subscribe"]
+def _count(counts: dict, key: str, by: int) -> None:
+    n = counts.get(key, 0) + by
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
+
+
+def _pid_of(peer: str) -> int | None:
+    # libzmq's "Peer-Address" of a unix-socket peer: "host:uid:gid:pid".
+    parts = peer.rsplit(":", 3)
+    if len(parts) == 4 and all(x.isdigit() for x in parts[1:]):
+        return int(parts[3])
+    return None
+
+
+def describe_peer(peer: str) -> str:
+    """A subscriber as libzmq names a unix-socket peer
+    (``host:uid:gid:pid``, the kernel's ``SO_PEERCRED``, its pid as this
+    process's pid namespace numbers it): "pid P uid U"."""
+    pid = _pid_of(peer)
+    if pid is None:
+        return "a process the socket does not name"
+    uid = peer.rsplit(":", 3)[1]
+    if pid == 0:
+        return f"a process outside this pid namespace (uid {uid})"
+    return f"pid {pid} uid {uid}"
+
+
+__all__ = ["IDENTITY_BYTES", "Subscribers", "describe_peer", "identity", "subscribe"]
 
 
 # -- the writer's view of its local readers during the handshake ----------------------
@@ -164,13 +243,17 @@ def local_readers_ready(ring, local: list, ring_name: str) -> bool:
         # MessageQueue, which would read this ring as vLLM's.
         unclaimed = [r for r in range(ring.n_reader)
                      if ring.reader_state(r)[1] == SLOT_FREE]
+        who = ", ".join(data.unidentified()) or "a process the socket does not name"
         raise HandleMismatchError(
             f"this MessageQueue handle was created by fastmq (ring segment "
             f"{ring_name!r}) but local reader(s) {unclaimed or '?'} attached "
             "with vLLM's own MessageQueue: fastmq is not active in their process. "
             "Install fastmq in every vLLM process's environment, unset "
             "FASTMQ_VLLM=0, or call fastmq.vllm.patch() before vLLM creates "
-            "its queues.")
+            f"its queues. (Subscribed to the queue's local socket without a reader's "
+            f"identity: {who}; a process that does not hold this queue's handle, such "
+            "as a sidecar in the writer's network namespace, is refused the same way "
+            "and receives nothing.)")
     return ready
 
 

@@ -292,11 +292,9 @@ class QueueWriter(RemoteSending):
     def _refused_note(self, local: list) -> str:
         """The local peers refused so far, for the long-wait line."""
         refused = self.door.describe_refused() if self.door is not None else ""
-        tags = local[0][1].refused if local else 0
-        if tags:
-            refused += (", " if refused else "") + (
-                f"{tags} subscription(s) to the local socket whose identity does not "
-                "carry this queue's key")
+        subs = local[0][1].describe_refused() if local else ""
+        if subs:
+            refused += (", " if refused else "") + subs
         return f"; refused: {refused}" if refused else ""
 
     def disown(self) -> None:

@@ -148,14 +148,12 @@ _FS_NAMES = {0x958458F6: "hugetlbfs"}
 # The words every ring and arena header begins with (fastmq/_ring_layout.pxd
 # and fastmq/_arena_layout.pxd agree on them): the magic (u64 at 0), where
 # the data begins (u64 at 40: the header and flags before it are all that
-# ls reads) and the segment's size (u64 at 48).  A segment larger than
-# _SMALL is mapped only once these, read with pread, say that it is a whole
-# fastmq segment of its size whose header and flags ls can read: a sparse
-# file of a PiB with no header is never mapped, and a forged header that
-# claims billions of chunks is refused here.  (The snapshot reads a
-# mapping of the whole segment, but touches only the header and flags.)
+# ls reads) and the segment's size (u64 at 48).  A segment is mapped only
+# once these, read with pread, say that it is a whole fastmq segment of its
+# size whose header and flags ls can read, and then only that far: a
+# sparse file of a PiB with no header is never mapped, and a forged header
+# that claims billions of chunks is refused here.
 _HEAD = struct.Struct("<Q32xQQ")
-_SMALL = 1 << 20
 _MAX_FLAGS_BYTES = 64 << 20
 _MAGIC = {"ring": _ring.MAGIC, "arena": _arena.MAGIC}
 
@@ -185,10 +183,9 @@ def _unmappable(fd: int, kind: str, size: int) -> tuple[str | None, int]:
     """``(why, span)``: why ``ls`` must not map this segment (its file
     ``fd`` of ``size`` bytes), or None: it is sealed as fastmq seals its
     segments, in shared memory, and its header says it is a whole ``kind``
-    of this size; and how much of it to map, its header and flags (where
+    of this size; and how much of it to map: its header and flags (where
     its header, read with ``pread``, says its data starts: all that the
-    snapshot reads), or all of a small segment whose header does not say
-    so, for the snapshot to name what is wrong with it."""
+    snapshot reads)."""
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError as e:
@@ -212,8 +209,6 @@ def _unmappable(fd: int, kind: str, size: int) -> tuple[str | None, int]:
                               else (None, 0, 0))
     if magic == _MAGIC[kind] and 0 < data_off <= min(size, _MAX_FLAGS_BYTES):
         span = data_off
-    elif size <= _SMALL:
-        return None, size   # mapped whole; the snapshot says what is wrong
     elif len(head) < _HEAD.size:
         return "its header could not be read whole", 0
     elif magic != _MAGIC[kind]:
@@ -222,7 +217,7 @@ def _unmappable(fd: int, kind: str, size: int) -> tuple[str | None, int]:
         return (f"its fastmq {kind} header puts the data at byte {data_off}: a header and "
                 f"flags larger than ls reads ({_size(_MAX_FLAGS_BYTES)}) or than the "
                 "segment"), 0
-    if size > _SMALL and total != size:
+    if total != size:
         return f"its fastmq {kind} header says {total} bytes, the segment has {size}", 0
     return None, span
 

@@ -202,17 +202,20 @@ def writer_one_then_wait(conn, setup: tuple) -> None:
     time.sleep(600)
 
 
-def sidecar(conn, seconds: float) -> None:
+def sidecar(conn, seconds: float, tmp: str | None = None) -> None:
     """A same-uid process of another container in the writer's network
     namespace: its own mount and pid namespaces, so the writer's /proc is
-    out of its reach, but /proc/net/unix lists the abstract sockets.  It
-    subscribes to every fastmq socket it finds, knocks on the segment
-    door, and reports what it received."""
+    out of its reach, but /proc/net/unix lists the unix sockets.  With
+    ``tmp``, a fresh tmpfs there (its container's own /tmp).  It reports
+    its pid as the writer sees it, ("pid", n); then subscribes to every
+    fastmq socket it finds and to every socket file listed under ``tmp``
+    (vLLM's), knocks on the segment door, and reports what it received."""
     import zmq
 
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(CLONE_NEWNS|CLONE_NEWPID)")
     pid = os.fork()
     if pid:
+        conn.send(("pid", pid))
         os.waitpid(pid, 0)
         return
     try:
@@ -220,17 +223,20 @@ def sidecar(conn, seconds: float) -> None:
         _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None),
                "mount --make-rprivate /")
         _check(_libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount proc")
-        _sidecar_watch(conn, seconds, zmq)
+        if tmp is not None:
+            _check(_libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", 0, None), "mount tmpfs")
+        _sidecar_watch(conn, seconds, zmq, tmp)
     finally:
         os._exit(0)
 
 
-def _sidecar_watch(conn, seconds: float, zmq) -> None:
+def _sidecar_watch(conn, seconds: float, zmq, tmp: str | None = None) -> None:
     names = set()
     with open("/proc/net/unix") as f:
         for line in f:
             path = line.split()[-1] if len(line.split()) >= 8 else ""
-            if path.startswith("@fastmq_"):
+            if path.startswith("@fastmq_") or (
+                    tmp is not None and path.startswith(tmp.rstrip("/") + "/")):
                 names.add(path)
     ctx = zmq.Context()
     subs = []
@@ -253,7 +259,9 @@ def _sidecar_watch(conn, seconds: float, zmq) -> None:
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.connect("ipc://" + name)
         subs.append(sub)
-    conn.send(("connected", sorted(names)))
+    # A socket file it can reach: one its own mount namespace shows.
+    files = sorted(n for n in names if not n.startswith("@"))
+    conn.send(("connected", sorted(names), [n for n in files if os.path.exists(n)]))
     got = 0
     until = time.monotonic() + seconds
     poller = zmq.Poller()

@@ -26,8 +26,9 @@ Run as a script (``python _memory_children.py MODE ...``) a mode prints
   OOM killer's end where the ring is more than the limit, unless the queue
   refuses at creation; fastmq with ``FASTMQ_PARTS=0`` fills it as vLLM's
   does, a message in one chunk);
-* ``first-writes``: the /proc and cgroup files opened by the first small
-  message into each chunk of a fresh queue (an audit hook), and by a large one;
+* ``first-writes``: the /proc and cgroup files opened by the first message
+  into each chunk of a fresh queue (an audit hook), and by a large one near
+  a memory limit;
 * ``hidden``: queues made and used where no cgroup file system is visible
   (fastmq's log lines printed).
 
@@ -270,12 +271,16 @@ def fill(impl: str) -> dict:
 
 def first_writes() -> dict:
     from _queues import local_pair
+    from fastmq import _memory
 
     opened: list[str] = []
     watching = [False]
+    me = threading.get_ident()
 
     def hook(event, args):
-        if watching[0] and event == "open" and args:
+        # This thread's opens only: the message's path, not the reading
+        # the watcher thread takes in the background.
+        if watching[0] and event == "open" and args and threading.get_ident() == me:
             p = args[0]
             if isinstance(p, bytes):
                 p = p.decode(errors="replace")
@@ -285,7 +290,9 @@ def first_writes() -> dict:
     sys.addaudithook(hook)
     w, (r,) = local_pair(1, max_chunk_bytes=1 * MiB, max_chunks=8,
                          enable_shm_tensor_arena=False)
-    sizes = [10, 1000, 4000, 10_000, 30_000, 60_000, 100, 50_000]      # one per chunk
+    # One per chunk: small ones, and ones past the first 64 KiB the ring's
+    # creation asked for.
+    sizes = [10, 1000, 4000, 60_000, 100_000, 300_000, 100, 900_000]
     per_message = []
     for n in sizes:
         watching[0] = True
@@ -294,11 +301,14 @@ def first_writes() -> dict:
         per_message.append(list(opened))
         opened.clear()
         assert r.dequeue(timeout=10) == b"s" * n
+    # Near a memory limit every check reads afresh: the hook sees it.
     w2, (r2,) = local_pair(1, max_chunk_bytes=1 * MiB, max_chunks=2,
                            enable_shm_tensor_arena=False)
+    _memory.STALE_S = -1.0
     watching[0] = True
     w2.enqueue(b"L" * (512 << 10))
     watching[0] = False
+    _memory.STALE_S = 3.0
     assert len(r2.dequeue(timeout=10)) == 512 << 10
     return {"small": dict(zip(map(str, sizes), per_message)), "large": opened}
 

@@ -85,21 +85,30 @@ def writer(ns: str | None, ip: str, n_reader: int, handshake: bool, conn, env: d
     mq = MessageQueue(n_reader, 0, connect_ip=ip)
     conn.send(mq.export_handle())
     if not handshake:
-        # What the writer logs while it waits (a reader it dropped).
+        # What the writer logs while it waits (a reader it dropped): each
+        # line at once, ("log", time.monotonic(), line), and all of them
+        # with "ready".
         import logging
+        import threading
 
         lines = []
+        lock = threading.Lock()
 
         class Keep(logging.Handler):
             def emit(self, record):
-                lines.append(record.getMessage())
+                line = record.getMessage()
+                with lock:
+                    lines.append(line)
+                    conn.send(("log", time.monotonic(), line))
 
         logging.getLogger("fastmq").addHandler(Keep())
         try:
             mq.wait_until_ready()
-            conn.send(("ready", lines))
+            with lock:
+                conn.send(("ready", list(lines)))
         except BaseException as e:
-            conn.send(("raised", repr(e)))
+            with lock:
+                conn.send(("raised", repr(e)))
         time.sleep(3600)
     mq.wait_until_ready()
     conn.send("ready")

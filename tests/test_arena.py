@@ -1159,19 +1159,21 @@ def test_a_descriptor_moved_to_another_slot_is_refused():
 
 
 def test_empty_tensor_cannot_take_the_slot_an_enqueue_is_copying_into(monkeypatch):
-    # The copy's memory check reads /proc (the GIL is let go there): an
+    # The copy's memory check may read /proc (the GIL is let go there): an
     # empty_tensor() on another thread meanwhile must not get that slot,
     # or filling it would change what the reader holds.
-    from fastmq import _arena_pages
+    from fastmq import _memory
     w, (r,) = _pair(slots=2, slot_mb=2, arena_prefault="off")
-    real = _arena_pages.memory_available
+    real = _memory.memory_available
 
     def slow():
         value = real()
         time.sleep(0.3)          # widens the window the /proc reads open
         return value
 
-    monkeypatch.setattr(_arena_pages, "memory_available", slow)
+    # Every check reads on the spot (as near a memory limit), slowly.
+    monkeypatch.setattr(_memory, "STALE_S", -1.0)
+    monkeypatch.setattr(_memory, "memory_available", slow)
     try:
         n = MiB // 4
         sender = threading.Thread(target=w.enqueue, args=(torch.full((n,), 1.0),))
@@ -1179,7 +1181,7 @@ def test_empty_tensor_cannot_take_the_slot_an_enqueue_is_copying_into(monkeypatc
         time.sleep(0.1)
         fresh = w.empty_tensor((n,), torch.float32)
         sender.join(10)
-        monkeypatch.setattr(_arena_pages, "memory_available", real)
+        monkeypatch.undo()
         got = r.dequeue(timeout=10)
         fresh.fill_(9.0)
         assert torch.all(got == 1.0)

@@ -321,7 +321,7 @@ def test_ls_reports_unreadable_segments(capsys):
         other = {o["name"]: o for o in listing["other"]}
         assert set(junk) <= set(other), sorted(other)
         names = list(junk)
-        assert "too few" in other[names[0]]["error"]
+        assert "not a fastmq ring (no fastmq header)" in other[names[0]]["error"]
         assert "not a fastmq ring" in other[names[1]]["error"]
         assert "not a fastmq arena" in other[names[2]]["error"]
         assert other[names[3]]["error"] == "empty segment"
@@ -359,3 +359,28 @@ def test_ls_rejects_bad_intervals(bad, capsys):
         cli_main(["ls", "-w", bad])
     assert e.value.code == 2
     assert "argument -w/--watch" in capsys.readouterr().err
+
+
+def test_ls_never_maps_a_segment_whose_header_is_not_fastmqs():
+    """A sealed memory file named like a ring, small enough that ``ls`` used
+    to map it whole for the snapshot to name what is wrong, is listed with
+    the reason read through ``pread`` and not mapped at all."""
+    code = ("import fcntl, json, os, sys\n"
+            "sys.path.insert(0, sys.argv[1])\n"
+            "import _ls_children as kids\n"
+            "name = f'fastmq_{os.getpid()}_ring_00000000abcd'\n"
+            "fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)\n"
+            "os.write(fd, b'\\x05' * (512 << 10))\n"
+            "fcntl.fcntl(fd, fcntl.F_ADD_SEALS, kids.SEALS)\n"
+            "maps = []\n"
+            "sys.addaudithook(lambda e, a: maps.append(a[1]) if e == 'mmap.__new__' else None)\n"
+            "from fastmq import listing\n"
+            "out = listing.list_queues()\n"
+            "(mine,) = [o for o in out['other'] if o['name'] == name]\n"
+            "print(json.dumps({'maps': maps, 'error': mine['error']}))\n")
+    got = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests")], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert got.returncode == 0, got.stderr
+    result = json.loads(got.stdout)
+    assert result["error"] == "not a fastmq ring (no fastmq header)", result
+    assert 512 << 10 not in result["maps"], result["maps"]

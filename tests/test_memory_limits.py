@@ -174,12 +174,14 @@ def test_no_cgroup_file_system_visible_is_logged_once_and_never_refuses(cgroups)
 
 
 # -- 3. no /proc on a message's path --------------------------------------------------
-def test_first_small_write_into_each_chunk_reads_no_proc_or_cgroup_file():
+def test_first_write_into_each_chunk_reads_no_proc_or_cgroup_file():
     """The first message into each chunk of a fresh queue used to read
     /proc/meminfo, /proc/self/cgroup and the cgroup's files (several
-    hundred microseconds, the first 10 messages of every queue); the ring's
-    creation asks for them now.  Opens counted by an audit hook in a child;
-    a large first write (which still asks) shows that the hook sees them."""
+    hundred microseconds, the first 10 messages of every queue); small ones
+    are asked for by the ring's creation now, larger ones answered from the
+    reading kept in the background.  Opens counted by an audit hook in a
+    child; a large first write near a memory limit (which reads afresh)
+    shows that the hook sees them."""
     res = subprocess.run([sys.executable, kids.__file__, "first-writes"],
                          env=kids.child_env("fastmq"), capture_output=True, text=True,
                          timeout=120)

@@ -592,6 +592,9 @@ def test_a_writer_that_hangs_up_before_the_readers_answer_is_named():
         e = _catch(stream.handshake)
         assert type(e) is RuntimeError, repr(e)
         assert "closed the connection during the handshake" in str(e), e
+        # A second wait raises again: it used to return as if ready.
+        again = _catch(stream.handshake)
+        assert type(again) is RuntimeError and "during the handshake" in str(again), again
     finally:
         stream.close()
         fake.close()

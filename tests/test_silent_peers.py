@@ -12,7 +12,9 @@ that is only idle, must not be taken for a silent one.
 """
 from __future__ import annotations
 
+import gc
 import os
+import re
 import shutil
 import signal
 import threading
@@ -22,7 +24,7 @@ import pytest
 
 from fastmq import MessageQueue, _wire
 from fastmq.queue import add_writer_gone_hook, remove_writer_gone_hook
-from fastmq._gone import WriterGoneError
+from fastmq._gone import ReaderGoneError, WriterGoneError
 from fastmq._ring import CorruptChunkError
 
 import _silent_children as sc
@@ -101,6 +103,18 @@ def _silence(node, proc):
     return time.monotonic()
 
 
+def _until(conn, wanted, timeout: float):
+    """The first thing on ``conn`` for which ``wanted`` holds, within
+    ``timeout`` seconds (what comes before it is passed over)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0 and conn.poll(left), f"nothing wanted from the child within {timeout} s"
+        what = conn.recv()
+        if wanted(what):
+            return what
+
+
 def _assert_names_silent_writer(e, writer, node):
     assert isinstance(e, WriterGoneError), repr(e)
     assert e.clean is False
@@ -166,13 +180,15 @@ def test_a_reader_busy_elsewhere_is_told_its_writers_node_went_silent(
     try:
         cut = _silence(node, writer)
         # Nothing acknowledged for the bound, found by the heartbeat after
-        # it (or the kernel's own abort, whichever comes first).
-        assert came.wait(within + reader_bound), "no hook was told while no dequeue() waited"
+        # it (or the kernel's own abort, whichever comes first): within
+        # twice the bound, as docs/operations.md says (seen: 1 to 1.25
+        # times the bound, on two shared cores).
+        assert came.wait(within), "no hook was told while no dequeue() waited"
         took = time.monotonic() - cut
         [(error, queue, thread)] = told
         assert queue is r and thread == "fastmq-liveness"
         _assert_names_silent_writer(error, writer, node)
-        assert took <= within + reader_bound
+        assert took <= within, took
         start = time.monotonic()
         with pytest.raises(WriterGoneError, match="went silent") as raised:
             r.dequeue()
@@ -192,13 +208,59 @@ def test_a_reader_in_its_handshake_whose_writers_node_went_silent_raises(procs, 
     another reader when its node goes silent: wait_until_ready() ends
     within the bound (TCP keepalive), naming the writer."""
     writer, conn, handle = _writer_in_node(procs, node, n_reader=2, handshake=False)
+    connected = time.monotonic()
     r = MessageQueue.create_from_handle(handle, 0)
     time.sleep(1.0)          # the hello is answered and acknowledged
     cut = _silence(node, writer)
     e, _ = _ends_within(r.wait_until_ready, WITHIN, r.shutdown)
-    assert time.monotonic() - cut <= WITHIN
+    now = time.monotonic()
+    assert now - cut <= WITHIN
     _assert_names_silent_writer(e, writer, node)
     assert "during the handshake" in str(e)
+    # What it heard last, and when: the writer's challenge, at the connect
+    # (1 s before the cut), and nothing after this reader's hello.
+    m = re.search(r"last heard from it: its challenge \(the handshake's first step\), "
+                  r"(\d+\.\d) s ago; this reader's hello, sent then, was never answered\. ",
+                  str(e))
+    assert m, str(e)
+    assert 1.0 <= float(m.group(1)) <= now - connected + 0.1, (m.group(1), now - connected)
+
+
+@pytest.mark.parametrize("reader_bound", [BOUND, LONG_BOUND])
+def test_a_reader_connecting_to_a_writer_whose_node_is_already_silent_raises(
+        procs, node, bound, monkeypatch, reader_bound):
+    """The writer's node goes silent before the reader connects: no SYN of
+    the reader's is ever answered (a connect's retries take minutes, and no
+    user timeout bounds them).  The reader's wait, from its construction
+    to wait_until_ready(), ends within the bound, naming the writer's
+    address and saying it was silence and that nothing was ever heard.
+    With a bound longer than the neighbour's address resolution (about
+    3 s) the kernel says "No route to host" first: silence too, not the
+    "cannot connect" of a writer whose node refused (it used to be)."""
+    writer, conn, handle = _writer_in_node(procs, node)
+    monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", f"{reader_bound:g}")
+    within = 2 * reader_bound + 2.0
+    cut = _silence(node, writer)
+    r = MessageQueue.create_from_handle(handle, 0)
+    e, _ = _ends_within(r.wait_until_ready, within, r.shutdown)
+    took = time.monotonic() - cut
+    assert isinstance(e, WriterGoneError), repr(e)
+    assert e.clean is False
+    text = str(e)
+    how = ("for 2 s (FASTMQ_PEER_TIMEOUT_S)" if reader_bound == BOUND else
+           "(No route to host, after ")
+    for part in (f"the writer (pid {writer.pid}) at {handle.remote_subscribe_addr} went silent "
+                 f"during the handshake: its node did not answer the connection {how}",
+                 "last heard from it: nothing (this reader's connection, made",
+                 "ago, was never answered)", "silence, not a close"):
+        assert part in text, (part, text)
+    assert took <= within
+    # For good: a second wait says the same at once (it used to return, as
+    # if the handshake had completed).
+    start = time.monotonic()
+    with pytest.raises(WriterGoneError, match="went silent during the handshake"):
+        r.wait_until_ready()
+    assert time.monotonic() - start < 1.0
 
 
 def test_a_writer_whose_readers_node_went_silent_raises_and_the_others_keep_theirs(
@@ -246,6 +308,116 @@ def test_a_writer_whose_readers_node_went_silent_raises_and_the_others_keep_thei
     assert got[2] is True, got    # a clean end of the stream after them
 
 
+def _writer_with_a_reader_in_node(procs, node, n_reader: int):
+    """A writer here (this process: its drain thread and fanout can be
+    looked at), reader 0 in ``node`` (it reads one message, then nothing,
+    alive), reader 1 here when ``n_reader`` is 2 (it reads everything and
+    reports it once the queue closes)."""
+    w = MessageQueue(n_reader, 0, connect_ip=node.host_ip)
+    handle = w.export_handle()
+    sconn, schild = SPAWN.Pipe()
+    stalled = procs.start(sc.stalled_reader, node.name, handle, 0, schild, ENV)
+    rconn = None
+    if n_reader == 2:
+        rconn, rchild = SPAWN.Pipe()
+        procs.start(sc.reading_reader, handle, 1, rchild, ENV)
+    e, _ = _ends_within(w.wait_until_ready, 60, w.shutdown)
+    assert e is None, repr(e)
+    assert _recv(sconn)[0] == "ready"
+    if rconn is not None:
+        assert _recv(rconn)[0] == "ready"
+    w.enqueue(b"m0000000")
+    assert _recv(sconn) == ("got", b"m0000000")
+    return w, stalled, rconn
+
+
+def _assert_names_silent_reader(e, stalled, node):
+    assert isinstance(e, ReaderGoneError), repr(e)
+    assert (e.rank, e.pid, e.how) == (0, stalled.pid, "silent"), (e.rank, e.pid, e.how)
+    text = str(e)
+    for part in (f"remote reader rank 0 (pid {stalled.pid} on its node) at {node.node_ip} "
+                 "went silent", "last heard from it: its heartbeat after message",
+                 "silence, not a close", "FASTMQ_PEER_TIMEOUT_S"):
+        assert part in text, (part, text)
+
+
+def test_a_writers_background_send_to_a_reader_whose_node_went_silent_ends_within_the_bound(
+        procs, node, bound):
+    """enqueue(big, timeout=1) returns at its deadline with the rest of the
+    message left to the background drain thread ("fastmq-remote-drain"):
+    reader 1 has all of it, reader 0 (on the cut node, alive, not reading)
+    does not.  While reader 0 is alive the drain waits for it (slow, not
+    silent).  Then its node goes silent: the drain ends within the bound,
+    the next enqueue() (which waits for the drain first) raises
+    ReaderGoneError naming reader 0 as silent, every later one raises the
+    same at once, and reader 1 has every message, in order, and the end
+    of the stream."""
+    w, stalled, rconn = _writer_with_a_reader_in_node(procs, node, 2)
+    fanout = w._end.fanout
+    w.enqueue(b"m0000001" + bytes(64 << 20), timeout=1.0)
+    drainer = fanout._drainer
+    assert drainer is not None and drainer.name == "fastmq-remote-drain"
+    time.sleep(1.5 * BOUND)        # slow, not silent: its heartbeats still come
+    assert drainer.is_alive() and fanout.broken is None
+    cut = _silence(node, stalled)
+    e, _ = _ends_within(lambda: w.enqueue(b"m0000002"), WITHIN + 5, w.shutdown)
+    took = time.monotonic() - cut
+    _assert_names_silent_reader(e, stalled, node)
+    assert "committed" not in " ".join(getattr(e, "__notes__", [])), e.__notes__
+    assert took <= WITHIN, took
+    assert not drainer.is_alive()
+    start = time.monotonic()
+    with pytest.raises(ReaderGoneError, match="went silent"):
+        w.enqueue(b"m0000003")
+    assert time.monotonic() - start < 1.0
+    del w, fanout, drainer, e     # (its traceback holds the queue)
+    gc.collect()               # the queue closes: the end of the stream goes to reader 1
+    got = _recv(rconn, 30)
+    assert got[1] == [b"m0000000", b"m0000001"], got
+    assert got[2] is True, got
+
+
+@pytest.mark.parametrize("probe", ["once", "every_half_second"])
+def test_an_idle_writer_whose_readers_node_went_silent_raises_at_its_next_enqueue(
+        procs, node, bound, probe):
+    """The writer sends nothing, and blocks on nothing, when its reader's
+    node goes silent (its messages fit the kernel's buffers): within the
+    bound it cannot know, so an enqueue() then may return; from the bound
+    on, the next enqueue() raises ReaderGoneError naming the reader and
+    saying it went silent, at once, within the bound of the cut ("once":
+    the first enqueue after the bound; "every_half_second": the first
+    that raises, timed from the cut).  Idle before the cut, for more than
+    the bound, is not silence."""
+    w, stalled, _ = _writer_with_a_reader_in_node(procs, node, 1)
+    time.sleep(1.5 * BOUND)
+    w.enqueue(b"m0000001")         # idle, alive: not taken for silent
+    cut = _silence(node, stalled)
+    raised, i = None, 2
+    if probe == "once":
+        time.sleep(WITHIN)
+        start = time.monotonic()
+        with pytest.raises(ReaderGoneError) as e:
+            w.enqueue(b"m0000002", timeout=5)
+        assert time.monotonic() - start < 1.0
+        raised = e.value
+    else:
+        while time.monotonic() - cut < WITHIN + 5:
+            try:
+                w.enqueue(b"m%07d" % i, timeout=5)
+            except ReaderGoneError as e:
+                raised = e
+                break
+            i += 1
+            time.sleep(0.5)
+        took = time.monotonic() - cut
+        assert raised is not None, "every enqueue() returned after the reader's node went silent"
+        assert took <= WITHIN, took
+        assert took >= BOUND / 2, took    # not long before the bound: alive readers are kept
+    _assert_names_silent_reader(raised, stalled, node)
+    with pytest.raises(ReaderGoneError, match="went silent"):
+        w.enqueue(b"again", timeout=5)
+
+
 def test_a_writer_in_its_handshake_drops_a_reader_whose_node_went_silent(procs, node, bound):
     """A reader that proved its key goes silent before the writer's
     handshake completed: the writer used to count it for ever (a surplus
@@ -259,8 +431,13 @@ def test_a_writer_in_its_handshake_drops_a_reader_whose_node_went_silent(procs, 
     doomed = procs.start(sc.handshaking_reader, node.name, handle, 0, dchild, ENV)
     assert _recv(dconn)[0] == "attached"
     time.sleep(1.5)          # its hello is in and proven
-    _silence(node, doomed)
-    time.sleep(WITHIN)
+    cut = _silence(node, doomed)
+    said = (f"remote reader rank 0 (pid {doomed.pid} on its node) at {node.node_ip} went "
+            "silent during the handshake")
+    # Dropped (the writer's log line, as it comes) within the bound of the cut.
+    _, at, line = _until(wconn, lambda w: w[0] == "log" and said in w[2], WITHIN + 5)
+    assert at - cut <= WITHIN, (at - cut, line)
+    assert "dropped; the writer waits for that rank to connect again" in line, line
     conns = []
     for rank in (0, 1):
         c, child = SPAWN.Pipe()
@@ -268,10 +445,9 @@ def test_a_writer_in_its_handshake_drops_a_reader_whose_node_went_silent(procs, 
         conns.append(c)
     for c in conns:
         assert _recv(c)[0] == "attached"
-    what = _recv(wconn, 20)
+    what = _until(wconn, lambda w: w[0] != "log", 20)
     assert what[0] == "ready", what
-    assert any(f"remote reader rank 0 (pid {doomed.pid} on its node) at {node.node_ip} went "
-               "silent during the handshake" in line for line in what[1]), what[1]
+    assert sum(said in line for line in what[1]) == 1, what[1]
     for c in conns:
         assert _recv(c, 20) == ("ready", None)
 
@@ -355,7 +531,10 @@ def test_a_busy_stream_has_no_heartbeats(monkeypatch):
     relay.close()
 
 
-@pytest.mark.parametrize("value,why", [("soon", "is not a number"), ("0.5", "must be at least 1")])
+@pytest.mark.parametrize("value,why", [("soon", "is not a number"), ("0.5", "must be at least 1"),
+                                       ("-1", "must be at least 1"), ("nan", "must be at least 1"),
+                                       ("inf", r"is out of range \(a finite number"),
+                                       ("1e400", r"is out of range \(a finite number")])
 def test_the_bound_is_validated(monkeypatch, value, why):
     monkeypatch.setenv("FASTMQ_PEER_TIMEOUT_S", value)
     with pytest.raises(ValueError, match=f"FASTMQ_PEER_TIMEOUT_S='{value}' {why}"):

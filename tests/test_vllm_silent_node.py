@@ -128,6 +128,15 @@ class _Two:
         self.net.close()
 
 
+def _assert_no_worker_failure(*outputs: str) -> None:
+    """vLLM's words for a worker that died unexpectedly (WorkerProc's
+    busy loop raised) are on neither node: a silent node ends the others
+    as a clean exit of the engine does, through vLLM's own shutdown."""
+    for rank, out in enumerate(outputs):
+        bad = [ln for ln in out.splitlines() if "WorkerProc failed" in ln]
+        assert not bad, f"node {rank}: {bad[:3]}\n{out[-6000:]}"
+
+
 def test_a_node_whose_engines_node_went_silent_ends_by_itself(tmp_path):
     two = _Two(tmp_path, silent=0)
     try:
@@ -151,6 +160,7 @@ def test_a_node_whose_engines_node_went_silent_ends_by_itself(tmp_path):
         assert r["leftovers"] == {"shm": [], "tmpdir": [], "of_pids": []}, r
         assert two.procs[1].returncode == 0, out1[-6000:]
         assert busy["worker_pids"][1] in r["worker_pids"]
+        _assert_no_worker_failure(two.output(0), out1)
     finally:
         two.close()
 
@@ -170,6 +180,7 @@ def test_an_engine_whose_workers_node_went_silent_names_that_worker(tmp_path):
         assert f"pid {victim}" in raised["error"] and "went silent" in raised["error"], raised
         result = two.line(0, "RESULT ", SHUTDOWN_S)
         assert result["alive_after_shutdown"] == [], result
+        _assert_no_worker_failure(two.output(0), two.output(1))
     finally:
         two.close()
 
@@ -232,7 +243,12 @@ def test_real_generation_a_node_whose_engines_node_went_silent_ends_by_itself(tm
             pytest.fail(f"node 1 still runs {2 * BOUND + SHUTDOWN_S:.0f} s after its "
                         f"engine's node went silent:\n{logs[1].read_text()[-6000:]}")
         out1 = logs[1].read_text()
-        print(f"node 1 ended {time.monotonic() - cut:.1f} s after the cut")
+        print(f"node 1 ended {time.monotonic() - cut:.1f} s after the cut, "
+              f"status {procs[1].returncode}")
+        # By itself and cleanly: its own shutdown, exit status 0 (not a
+        # signal's, not vLLM's failure), and no worker failure on either node.
+        assert procs[1].returncode == 0, out1[-6000:]
+        _assert_no_worker_failure(logs[0].read_text(), out1)
         results = [json.loads(ln[len("RESULT "):]) for ln in out1.splitlines()
                    if ln.startswith("RESULT ")]
         assert results, out1[-6000:]
