@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import socket
 import time
 
@@ -60,6 +61,36 @@ def hide_other_processes() -> None:
     _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
     _check(_libc.mount(b"proc", b"/proc", b"proc", 0, b"hidepid=2"), "mount proc hidepid=2")
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def in_own_container(run, proc: bool = True, tmp: str | None = None, before=None) -> None:
+    """Run ``run()`` in a child of this process in pid and mount
+    namespaces of its own (a container): with ``proc``, its own /proc (it
+    sees only its pid namespace); with ``tmp``, a fresh tmpfs there.
+    ``before(pid)`` runs in this process once the child exists.  The child
+    is killed with this process (a test that kills its child leaves no
+    grandchild behind), and this process waits for it."""
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(CLONE_NEWNS|CLONE_NEWPID)")
+    pid = os.fork()
+    if pid:
+        if before is not None:
+            before(pid)
+        os.waitpid(pid, 0)
+        return
+    try:
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+        _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None),
+               "mount --make-rprivate /")
+        if proc:
+            _check(_libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount proc")
+        if tmp is not None:
+            _check(_libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", 0, None), "mount tmpfs")
+        run()
+    finally:
+        os._exit(0)
 
 
 def _queue_class(impl: str):
@@ -212,22 +243,8 @@ def sidecar(conn, seconds: float, tmp: str | None = None) -> None:
     (vLLM's), knocks on the segment door, and reports what it received."""
     import zmq
 
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID), "unshare(CLONE_NEWNS|CLONE_NEWPID)")
-    pid = os.fork()
-    if pid:
-        conn.send(("pid", pid))
-        os.waitpid(pid, 0)
-        return
-    try:
-        # Its own /proc: it sees only its own pid namespace's processes.
-        _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None),
-               "mount --make-rprivate /")
-        _check(_libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount proc")
-        if tmp is not None:
-            _check(_libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", 0, None), "mount tmpfs")
-        _sidecar_watch(conn, seconds, zmq, tmp)
-    finally:
-        os._exit(0)
+    in_own_container(lambda: _sidecar_watch(conn, seconds, zmq, tmp), tmp=tmp,
+                     before=lambda pid: conn.send(("pid", pid)))
 
 
 def _sidecar_watch(conn, seconds: float, zmq, tmp: str | None = None) -> None:

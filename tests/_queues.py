@@ -66,6 +66,21 @@ def wait_for(pred, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def background_readings(more: int = 0, timeout: float = 10.0) -> bool:
+    """Wait until the memory watcher (fastmq._memory) has taken ``more``
+    readings beyond those taken so far (``more`` 2: one begun after this
+    call, whole); whether it did within ``timeout``."""
+    from fastmq._memory import memory_readings
+
+    want = memory_readings()["background"] + more
+    end = time.monotonic() + timeout
+    while memory_readings()["background"] < want:
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def refused_in_fork_child(calls) -> bool:
     """Run each of ``calls`` in a forked child of this process: True if
     every one raised the fork ``RuntimeError`` there (the child touches

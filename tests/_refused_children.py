@@ -52,19 +52,8 @@ def refused_reader(conn, handle, setup: tuple) -> None:
     if "docker_caps" in setup:
         cc.keep_only_caps(cc.DOCKER_CAPS)
     if "own_proc" in setup:
-        cc._check(cc._libc.unshare(cc.CLONE_NEWNS | cc.CLONE_NEWPID),
-                  "unshare(CLONE_NEWNS|CLONE_NEWPID)")
-        pid = os.fork()
-        if pid:
-            os.waitpid(pid, 0)
-            return
-        try:
-            cc._check(cc._libc.mount(b"none", b"/", None, cc.MS_REC | cc.MS_PRIVATE, None),
-                      "mount --make-rprivate /")
-            cc._check(cc._libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount proc")
-            _attach(conn, handle)
-        finally:
-            os._exit(0)
+        cc.in_own_container(lambda: _attach(conn, handle))
+        return
     _attach(conn, handle)
 
 
@@ -105,54 +94,45 @@ def contained_writer(conn) -> None:
     shares one).  Its queue's handshake waits; on "reader" a reader in its
     process attaches; reports ("handshake", "ok" or the error, its
     long-wait lines)."""
+    cc.in_own_container(lambda: _contained_writer(conn))
+
+
+def _contained_writer(conn) -> None:
+    import logging
     import threading
 
-    cc._check(cc._libc.unshare(cc.CLONE_NEWNS | cc.CLONE_NEWPID),
-              "unshare(CLONE_NEWNS|CLONE_NEWPID)")
-    pid = os.fork()
-    if pid:
-        os.waitpid(pid, 0)
-        return
-    try:
-        cc._check(cc._libc.mount(b"none", b"/", None, cc.MS_REC | cc.MS_PRIVATE, None),
-                  "mount --make-rprivate /")
-        cc._check(cc._libc.mount(b"proc", b"/proc", b"proc", 0, None), "mount proc")
-        import logging
+    lines = []
 
-        lines = []
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
 
-        class _Keep(logging.Handler):
-            def emit(self, record):
-                lines.append(record.getMessage())
+    logging.getLogger("fastmq").addHandler(_Keep(logging.INFO))
+    logging.getLogger("fastmq").setLevel(logging.INFO)
+    cc._prepare("fastmq")
+    from fastmq import MessageQueue
 
-        logging.getLogger("fastmq").addHandler(_Keep(logging.INFO))
-        logging.getLogger("fastmq").setLevel(logging.INFO)
-        cc._prepare("fastmq")
-        from fastmq import MessageQueue
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2,
+                      enable_shm_tensor_arena=False)
+    result = []
 
-        mq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2,
-                          enable_shm_tensor_arena=False)
-        result = []
+    def handshake():
+        try:
+            mq.wait_until_ready()
+            result.append("ok")
+        except BaseException as e:
+            result.append(f"{type(e).__name__}: {e}")
 
-        def handshake():
-            try:
-                mq.wait_until_ready()
-                result.append("ok")
-            except BaseException as e:
-                result.append(f"{type(e).__name__}: {e}")
-
-        t = threading.Thread(target=handshake)
-        t.start()
-        conn.send("waiting")
-        assert conn.recv() == "reader"
-        r = MessageQueue.create_from_handle(mq.export_handle(), 0)
-        r.wait_until_ready()
-        t.join(30)
-        if result == ["ok"]:
-            mq.enqueue("after")
-            result.append(r.dequeue(timeout=10))
-        conn.send(("handshake", result, lines))
-        r.shutdown()
-        mq.shutdown()
-    finally:
-        os._exit(0)
+    t = threading.Thread(target=handshake)
+    t.start()
+    conn.send("waiting")
+    assert conn.recv() == "reader"
+    r = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    r.wait_until_ready()
+    t.join(30)
+    if result == ["ok"]:
+        mq.enqueue("after")
+        result.append(r.dequeue(timeout=10))
+    conn.send(("handshake", result, lines))
+    r.shutdown()
+    mq.shutdown()

@@ -21,6 +21,7 @@ import torch
 from fastmq import MessageQueue
 from fastmq._memory import memory_readings
 
+from _queues import background_readings, local_pair, shut
 from conftest import SPAWN
 
 MiB = 1 << 20
@@ -107,10 +108,6 @@ def test_the_watcher_lives_while_a_segment_does_and_reads_once_a_second(procs):
 
 
 def _after_arena_readers(conn):
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _queues import local_pair, shut
-
     # An arena's readers map its segment themselves: their mappings count
     # as the others do, or closing them would leave the count short and
     # no watcher would start for the queues after.
@@ -121,11 +118,7 @@ def _after_arena_readers(conn):
         del w, rs
         gc.collect()
     q = MessageQueue(1, 1, max_chunk_bytes=MiB, max_chunks=2, enable_shm_tensor_arena=False)
-    start = memory_readings()["background"]
-    deadline = time.monotonic() + 10
-    while memory_readings()["background"] == start and time.monotonic() < deadline:
-        time.sleep(0.05)
-    conn.send((_watchers(), memory_readings()["background"] > start))
+    conn.send((_watchers(), background_readings(1)))
     q.shutdown()
 
 
@@ -150,12 +143,8 @@ def _forked_child_checks(conn):
             alone = _watchers()
             c = MessageQueue(1, 1, max_chunk_bytes=MiB, max_chunks=2,
                              enable_shm_tensor_arena=False)
-            start = memory_readings()["background"]
-            deadline = time.monotonic() + 10
-            while memory_readings()["background"] == start and time.monotonic() < deadline:
-                time.sleep(0.05)
-            os.write(wfd, repr((alone, _watchers(),
-                                memory_readings()["background"] > start)).encode())
+            read = background_readings(1)
+            os.write(wfd, repr((alone, _watchers(), read)).encode())
             c.shutdown()
             code = 0
         finally:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _parts_children import big_message, partial_writer_main
-from _queues import local_pair, shut
+from _queues import background_readings, local_pair, shut
 from fastmq import MessageQueue
 from fastmq._parts import PART_BYTES, PART_BYTES_MAX, PARTS_MIN
 from fastmq._ring import PART_HEAD_BYTES, CorruptChunkError
@@ -656,11 +656,7 @@ def test_a_run_of_large_messages_reads_memory_files_only_when_memory_is_short(
     big = bytes(6 << 20)
     # The room patched in shows in the reading kept in the background once
     # the next one is taken (within a second).
-    seen = _memory.memory_readings()["background"]
-    deadline = time.monotonic() + 10
-    while _memory.memory_readings()["background"] < seen + 2:
-        assert time.monotonic() < deadline, "no background reading of memory"
-        time.sleep(0.05)
+    assert background_readings(2), "no background reading of memory"
     before = _memory.memory_readings()["on_the_spot"]
     try:
         for i in range(5):
