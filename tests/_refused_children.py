@@ -57,11 +57,9 @@ def refused_reader(conn, handle, setup: tuple) -> None:
     _attach(conn, handle)
 
 
-def sidecar_writer(conn, impl: str) -> None:
-    """A 1-reader queue (``impl``: fastmq's or vLLM's own) of 1 MiB chunks:
-    hand its handle over, wait for the reader, and on "send" send three
-    8 MiB payloads (over the local socket in both) and None; report
-    ("sent", overflow messages or None, fastmq's log lines)."""
+def _fastmq_log() -> list:
+    """The messages the fastmq logger gives from now on (INFO and up), as
+    they come: the writer's long-wait lines and its refusals."""
     import logging
 
     lines = []
@@ -72,6 +70,15 @@ def sidecar_writer(conn, impl: str) -> None:
 
     logging.getLogger("fastmq").addHandler(_Keep(logging.INFO))
     logging.getLogger("fastmq").setLevel(logging.INFO)
+    return lines
+
+
+def sidecar_writer(conn, impl: str) -> None:
+    """A 1-reader queue (``impl``: fastmq's or vLLM's own) of 1 MiB chunks:
+    hand its handle over, wait for the reader, and on "send" send three
+    8 MiB payloads (over the local socket in both) and None; report
+    ("sent", overflow messages or None, fastmq's log lines)."""
+    lines = _fastmq_log()
     cc._prepare(impl)
     MessageQueue = cc._queue_class(impl)
     kw = {"enable_shm_tensor_arena": False} if impl == "fastmq" else {}
@@ -98,17 +105,9 @@ def contained_writer(conn) -> None:
 
 
 def _contained_writer(conn) -> None:
-    import logging
     import threading
 
-    lines = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    logging.getLogger("fastmq").addHandler(_Keep(logging.INFO))
-    logging.getLogger("fastmq").setLevel(logging.INFO)
+    lines = _fastmq_log()
     cc._prepare("fastmq")
     from fastmq import MessageQueue
 

@@ -28,6 +28,16 @@ MiB = 1 << 20
 WATCHER = "fastmq-memory"
 
 
+def _answer_of(procs, target):
+    """What ``target(conn)``, run in a fresh spawned child, sends back."""
+    parent, child = SPAWN.Pipe()
+    procs.start(target, child)
+    assert parent.poll(60), "the child did not answer"
+    got = parent.recv()
+    procs.join_all()
+    return got
+
+
 def _watchers() -> int:
     return sum(t.name == WATCHER for t in threading.enumerate())
 
@@ -96,11 +106,7 @@ def _watcher_lifetime(conn):
 
 
 def test_the_watcher_lives_while_a_segment_does_and_reads_once_a_second(procs):
-    parent, child = SPAWN.Pipe()
-    procs.start(_watcher_lifetime, child)
-    assert parent.poll(60), "the child did not answer"
-    seen, readings = parent.recv()
-    procs.join_all()
+    seen, readings = _answer_of(procs, _watcher_lifetime)
     # None before the first queue, one with it, none once it is gone.
     assert seen == [0, 1, 0], seen
     # About one reading a second (3.5 s: 3 or 4; scheduling may cost one).
@@ -123,11 +129,7 @@ def _after_arena_readers(conn):
 
 
 def test_queues_after_arena_readers_still_have_a_watcher(procs):
-    parent, child = SPAWN.Pipe()
-    procs.start(_after_arena_readers, child)
-    assert parent.poll(60), "the child did not answer"
-    got = parent.recv()
-    procs.join_all()
+    got = _answer_of(procs, _after_arena_readers)
     assert got == (1, True), got
 
 
@@ -160,11 +162,7 @@ def _forked_child_checks(conn):
 
 
 def test_a_forked_child_starts_its_own_watcher(procs):
-    parent, child = SPAWN.Pipe()
-    procs.start(_forked_child_checks, child)
-    assert parent.poll(60), "the child did not answer"
-    answer, code = parent.recv()
-    procs.join_all()
+    answer, code = _answer_of(procs, _forked_child_checks)
     assert code == 0 and answer == "(0, 1, True)", (answer, code)
 
 
